@@ -1,0 +1,7 @@
+"""The fused ops: one file per op, each dispatching to Triton (CUDA) or a chunked torch path."""
+
+from grpo_fast.ops.group_advantages import group_advantages
+from grpo_fast.ops.grpo_loss import grpo_loss
+from grpo_fast.ops.token_logprobs import token_logprobs
+
+__all__ = ["group_advantages", "grpo_loss", "token_logprobs"]

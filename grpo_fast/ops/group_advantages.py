@@ -1,0 +1,90 @@
+"""group_advantages: per-group reward normalisation (GRPO's critic-free baseline).
+
+The work is O(N) on a few thousand rewards, so the torch path is the reference itself;
+CUDA tensors take one Triton launch (``grpo_fast/kernels/group_advantages.py``).
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from grpo_fast import reference
+from grpo_fast.ops._backend import select_backend
+from grpo_fast.outputs import GroupAdvantages
+from grpo_fast.reference import SCALES
+
+
+def _check(rewards, group_size, scale, eps, reward_weights) -> int:
+    """Validates the arguments; returns the group size."""
+    if not isinstance(rewards, torch.Tensor):
+        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+    if rewards.dtype.is_complex or rewards.dtype == torch.bool:
+        raise TypeError(f"rewards must be a real tensor, got {rewards.dtype}")
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if rewards.dim() == 2 and group_size is None:
+        G, N = rewards.shape[1], rewards.numel()
+        if reward_weights is not None:
+            raise ValueError(
+                "reward_weights needs rewards [N, K] with group_size; a 2-D rewards without "
+                f"group_size is read as [num_groups, G], got shape {list(rewards.shape)}"
+            )
+    elif rewards.dim() in (1, 2):
+        if group_size is None:
+            raise ValueError(f"group_size is required for rewards of shape {list(rewards.shape)} ([N] or [N, K])")
+        G, N = group_size, rewards.shape[0]
+    else:
+        raise ValueError(f"rewards must be [N], [num_groups, G] or [N, K], got shape {list(rewards.shape)}")
+    if not isinstance(G, int) or G < 2:
+        raise ValueError(f"group_size must be an int >= 2 (the std of one sample is undefined), got {G!r}")
+    if N == 0 or N % G != 0:
+        raise ValueError(f"the number of samples N={N} must be a positive multiple of group_size={G}")
+    if reward_weights is not None:
+        K = rewards.shape[1] if rewards.dim() == 2 else 1
+        if not isinstance(reward_weights, torch.Tensor) or tuple(reward_weights.shape) != (K,):
+            shape = list(reward_weights.shape) if isinstance(reward_weights, torch.Tensor) else reward_weights
+            raise ValueError(f"reward_weights must be a tensor of shape [K] = [{K}], got {shape}")
+    return G
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: Optional[int] = None,
+    *,
+    scale: str = "group",
+    eps: float = 1e-4,
+    reward_weights: Optional[torch.Tensor] = None,
+) -> GroupAdvantages:
+    """Advantages of G samples per prompt relative to their group.
+
+    Args:
+        rewards: [N] with ``group_size``; [num_groups, G] without it; or [N, K] with
+            ``group_size``, one column per reward function. Samples of a group are adjacent.
+            NaN means "not scored": it counts as 0 in the weighted sum over functions (nansum).
+        group_size: G, samples per prompt (>= 2).
+        scale: "group" divides by the group's std, "batch" by the std over the whole batch,
+            "none" only centres (Dr. GRPO). Stds are unbiased (Bessel), as ``torch.std``.
+        eps: added to the std before dividing.
+        reward_weights: [K] weights of the reward functions (default: all 1).
+
+    Returns:
+        :class:`GroupAdvantages` ``(advantages [N], rewards [N], mean [num_groups],
+        std [num_groups], frac_zero_std [])``, float32. A group whose rewards are all equal
+        gets advantage exactly 0.
+
+    Example:
+        >>> adv = group_advantages(torch.tensor([1., 0., 0., 1.]), group_size=2).advantages
+    """
+    G = _check(rewards, group_size, scale, eps, reward_weights)
+    if reward_weights is not None:
+        reward_weights = reward_weights.to(rewards.device)
+    backend = select_backend(rewards)
+    if backend == "triton":
+        from grpo_fast.kernels.group_advantages import group_advantages_triton
+
+        return group_advantages_triton(rewards, G, scale=scale, eps=eps, reward_weights=reward_weights)
+    return reference.group_advantages(rewards, G if rewards.dim() != 2 or group_size else None,
+                                      scale=scale, eps=eps, reward_weights=reward_weights)
