@@ -79,6 +79,8 @@ def group_advantages(
         >>> adv = group_advantages(torch.tensor([1., 0., 0., 1.]), group_size=2).advantages
     """
     G = _check(rewards, group_size, scale, eps, reward_weights)
+    if rewards.dim() == 2 and group_size is None:  # [num_groups, G] is [N] with group_size G
+        rewards = rewards.reshape(-1)
     if reward_weights is not None:
         reward_weights = reward_weights.to(rewards.device)
     backend = select_backend(rewards)
@@ -86,5 +88,4 @@ def group_advantages(
         from grpo_fast.kernels.group_advantages import group_advantages_triton
 
         return group_advantages_triton(rewards, G, scale=scale, eps=eps, reward_weights=reward_weights)
-    return reference.group_advantages(rewards, G if rewards.dim() != 2 or group_size else None,
-                                      scale=scale, eps=eps, reward_weights=reward_weights)
+    return reference.group_advantages(rewards, G, scale=scale, eps=eps, reward_weights=reward_weights)
