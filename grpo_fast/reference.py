@@ -116,7 +116,7 @@ def policy_loss(
     if loss_type == "cispo":
         pg = -torch.clamp(w, max=eps_high).detach() * adv * logp
     elif loss_type == "sapo":
-        tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg).to(logp.dtype)
+        tau = torch.where(adv > 0, adv.new_tensor(sapo_tau_pos), adv.new_tensor(sapo_tau_neg))
         pg = -torch.sigmoid(tau * (w - 1)) * 4 / tau * adv
     else:
         w2 = torch.clamp(w, 1 - eps_low, 1 + eps_high)
