@@ -105,6 +105,13 @@ def grpo_loss(
             logits, ids, advantages, mask, old_logprobs, ref_logprobs,
             temperature=temperature, return_entropy=return_entropy, **options,
         )  # fmt: skip
+    if backend == "triton" and importance_sampling == "token":
+        from grpo_fast.kernels.grpo_loss import grpo_loss_triton
+
+        return grpo_loss_triton(
+            logits, ids, advantages, mask, old_logprobs, ref_logprobs,
+            temperature=temperature, return_entropy=return_entropy, inplace_backward=inplace_backward, **options,
+        )  # fmt: skip
     out = TokenLogprobsFunction.apply(logits, ids, float(temperature), return_entropy, inplace_backward, backend)
     logp, entropy = out if return_entropy else (out, None)
     return reference.policy_loss(logp, advantages, mask, old_logprobs, ref_logprobs, entropy=entropy, **options)
