@@ -1,7 +1,17 @@
 """grpo_fast: fast, lean GRPO. Fused ops for group advantages, token log-probs and the loss."""
 
 from grpo_fast.ops import group_advantages, grpo_loss, token_logprobs
+from grpo_fast.ops import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_fast.outputs import GroupAdvantages, LossOutput
 
 __version__ = "0.1.0"
-__all__ = ["group_advantages", "token_logprobs", "grpo_loss", "GroupAdvantages", "LossOutput", "__version__"]
+__all__ = [
+    "group_advantages",
+    "token_logprobs",
+    "grpo_loss",
+    "fused_linear_grpo_loss",
+    "fused_linear_token_logprobs",
+    "GroupAdvantages",
+    "LossOutput",
+    "__version__",
+]
