@@ -1,0 +1,16 @@
+"""Verifiable rewards: `f(prompts, completions, **columns) -> list[float | None]`.
+
+None means "not scored". Configure with functools.partial, e.g.
+`partial(code_reward, limits=SandboxLimits(wall_time_s=2))`.
+"""
+
+from grpo_fast.rewards.base import check_batch, none_on_error
+from grpo_fast.rewards.code import code_reward, extract_code
+from grpo_fast.rewards.format import DEFAULT_FORMAT, format_reward
+from grpo_fast.rewards.math_answer import answers_match, extract_answer, math_reward
+from grpo_fast.rewards.overlong import overlong_penalty
+from grpo_fast.rewards.sandbox import SandboxLimits, SandboxResult, run_python
+
+__all__ = ["math_reward", "format_reward", "overlong_penalty", "code_reward", "none_on_error", "check_batch",
+           "extract_answer", "answers_match", "extract_code", "DEFAULT_FORMAT", "SandboxLimits", "SandboxResult",
+           "run_python"]
