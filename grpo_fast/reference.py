@@ -157,8 +157,8 @@ def policy_loss(
     with torch.no_grad():
         n_active = m.sum().clamp(min=1.0)
 
-        def batch_mean(x):
-            return x.float().mean() if x.shape[1] == 1 else (x * m).sum() / n_active
+        def batch_mean(x):  # [B, 1] at T = 1 is still token-level: masked tokens do not count
+            return x.float().mean() if x.shape[1] == 1 and importance_sampling == "sequence" else (x * m).sum() / n_active
 
         if loss_type == "cispo":
             low = torch.zeros_like(w, dtype=torch.bool)

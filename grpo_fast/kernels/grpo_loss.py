@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from grpo_fast import reference
-from grpo_fast.kernels.token_logprobs import _row_grad, _row_logsumexp, block_size, num_warps
+from grpo_fast.kernels.token_logprobs import _row_grad, _row_logsumexp, accumulate_dtype, block_size, num_warps
 from grpo_fast.outputs import LossOutput
 
 LOSS_KINDS = {"cispo": 1, "sapo": 2}  # every other loss type is the clipped family, kind 0
@@ -79,14 +79,15 @@ def _grpo_loss_fwd_kernel(
     stride_gt,
     stride_gv,
     ids_ptr,  # [B * T] token ids
-    mask_ptr,  # [B * T] float32, 0 = padding: no sweep, zero gradient
-    adv_ptr,  # [B * T] float32 advantages
-    old_ptr,  # [B * T] float32 old log-probs, read only if has_old
-    ref_ptr,  # [B * T] float32 reference log-probs, read only if has_ref
-    pg_weight_ptr,  # [B * T] float32 aggregation weight * importance weight
-    kl_weight_ptr,  # [B * T] float32 aggregation weight * beta, read only if has_ref
-    logp_ptr,  # [B * T] float32 out (0 at padding)
-    entropy_ptr,  # [B * T] float32 out, unused without RETURN_ENTROPY
+    mask_ptr,  # [B * T], 0 = padding: no sweep, zero gradient
+    adv_ptr,  # [B * T] advantages
+    old_ptr,  # [B * T] old log-probs, read only if has_old
+    ref_ptr,  # [B * T] reference log-probs, read only if has_ref
+    pg_weight_ptr,  # [B * T] aggregation weight * importance weight
+    kl_weight_ptr,  # [B * T] aggregation weight * beta, read only if has_ref
+    logp_ptr,  # [B * T] out (0 at padding); its dtype (float32, float64 for float64 logits) is
+    #            the accumulation dtype, as of every [B * T] input
+    entropy_ptr,  # [B * T] out, as logp; unused without RETURN_ENTROPY
     T,
     V,
     inv_tau,
@@ -117,8 +118,9 @@ def _grpo_loss_fwd_kernel(
         if WRITE_GRAD:
             _row_grad(row_ptr, stride_v, out_ptr, stride_gv, V, inv_tau, 0.0, 0.0, tok, BLOCK_V)
     else:
-        lse, mean_x = _row_logsumexp(row_ptr, stride_v, V, inv_tau, BLOCK_V, RETURN_ENTROPY)
-        logp = tl.load(row_ptr + tok * stride_v).to(tl.float32) * inv_tau - lse
+        acc = logp_ptr.dtype.element_ty
+        lse, mean_x = _row_logsumexp(row_ptr, stride_v, V, inv_tau, acc, BLOCK_V, RETURN_ENTROPY)
+        logp = tl.load(row_ptr + tok * stride_v).to(acc) * inv_tau - lse
         tl.store(logp_ptr + row, logp)
         if RETURN_ENTROPY:
             tl.store(entropy_ptr + row, lse - mean_x)
@@ -146,22 +148,22 @@ def _scale_grad_kernel(
     V,
     BLOCK_V: tl.constexpr,
 ):
-    scale = tl.load(scale_ptr).to(tl.float32)
+    scale = tl.load(scale_ptr)
     if scale != 1.0:
         row = tl.program_id(0)
         row_ptr = grad_ptr + (row // T).to(tl.int64) * stride_b + (row % T).to(tl.int64) * stride_t
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             ptrs = row_ptr + cols.to(tl.int64) * stride_v
-            g = tl.load(ptrs, mask=cols < V, other=0.0).to(tl.float32)
+            g = tl.load(ptrs, mask=cols < V, other=0.0).to(scale.dtype)
             tl.store(ptrs, (g * scale).to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
-def _per_token(x: Optional[torch.Tensor], B: int, T: int) -> Optional[torch.Tensor]:
-    """[B] or [B, T] -> [B * T] contiguous float32 (O(B*T): nothing of size V)."""
+def _per_token(x: Optional[torch.Tensor], B: int, T: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """[B] or [B, T] -> [B * T] contiguous ``dtype`` (O(B*T): nothing of size V)."""
     if x is None:
         return None
-    x = x.float()
+    x = x.to(dtype)
     return (x.unsqueeze(1) if x.dim() == 1 else x).expand(B, T).reshape(-1).contiguous()
 
 
@@ -176,7 +178,7 @@ def aggregation_weights(m: torch.Tensor, loss_type: str, max_completion_length, 
         return m / (B * max_completion_length)
     if loss_type in ("dapo", "cispo"):
         n = m.sum() if num_items_in_batch is None else num_items_in_batch
-        return m / torch.as_tensor(n, dtype=torch.float32, device=m.device)
+        return m / torch.as_tensor(n, dtype=m.dtype, device=m.device)
     return m / B  # luspo
 
 
@@ -206,17 +208,18 @@ def grpo_loss_fwd(
     block_v: Optional[int] = None,
 ):
     """One launch over logits [B, T, V]: returns logp [B, T] (0 at padding) and entropy [B, T]
-    or None, float32; writes dL/dlogits into ``grad`` [B, T, V] (any strides, may be the
+    or None, float32 (float64 for float64 logits); writes dL/dlogits into ``grad`` [B, T, V] (any strides, may be the
     logits) unless ``grad`` is None."""
     B, T, V = logits.shape
-    m = torch.ones(B, T, device=logits.device) if mask is None else mask.float()
+    acc = accumulate_dtype(logits)
+    m = torch.ones(B, T, dtype=acc, device=logits.device) if mask is None else mask.to(acc)
     weight = aggregation_weights(m, loss_type, max_completion_length, num_items_in_batch)
-    pg_weight = weight if importance_weights is None else weight * _per_token(importance_weights, B, T).view(B, T)
-    adv = _per_token(advantages, B, T)
-    old = _per_token(old_logprobs, B, T)
+    pg_weight = weight if importance_weights is None else weight * _per_token(importance_weights, B, T, acc).view(B, T)
+    adv = _per_token(advantages, B, T, acc)
+    old = _per_token(old_logprobs, B, T, acc)
     use_kl = beta != 0.0
-    ref = _per_token(ref_logprobs, B, T) if use_kl else None
-    logp = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    ref = _per_token(ref_logprobs, B, T, acc) if use_kl else None
+    logp = torch.empty(B, T, dtype=acc, device=logits.device)
     entropy = torch.empty_like(logp) if return_entropy else None
     if B * T == 0:
         return logp, entropy
@@ -243,7 +246,7 @@ def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, block_v: Optional[int] 
         return grad
     block = block_size(V, block_v)
     _scale_grad_kernel[(B * T,)](
-        grad, *grad.stride(), scale.reshape(1).float(), T, V, BLOCK_V=block, num_warps=num_warps(block)
+        grad, *grad.stride(), scale.reshape(1), T, V, BLOCK_V=block, num_warps=num_warps(block)
     )
     return grad
 

@@ -11,7 +11,8 @@ One program per token row. With x = logits / tau and p = softmax(x):
     H    = -sum_v p_v log p_v = lse - sum_v p_v x_v
     dL/dlogits_v = g * (onehot(id)_v - p_v) / tau,    g = dL/dlogp
 
-Everything accumulates in float32 whatever the logits' dtype; logits may have any strides.
+Everything accumulates in float32 whatever the logits' dtype (float64 logits: in float64,
+the dtype of the log-prob outputs); logits may have any strides.
 """
 
 from typing import Optional
@@ -30,19 +31,20 @@ def _row_logsumexp(
     stride_v,  # element stride along the vocabulary
     V,
     inv_tau,  # 1 / temperature
+    ACC: tl.constexpr,  # accumulation dtype: float32, or float64 for float64 logits
     BLOCK_V: tl.constexpr,
     RETURN_ENTROPY: tl.constexpr,
 ):
     """Returns (lse, sum_v p_v x_v) of x = row * inv_tau; the second is 0 without RETURN_ENTROPY."""
-    m = tl.full([], float("-inf"), tl.float32)
+    m = tl.full([], float("-inf"), ACC)
     # Per-lane partial sums rescaled by the scalar running max: one exp per element and one
     # reduction (the block max) per step; the lanes are summed once at the end.
-    s = tl.zeros([BLOCK_V], tl.float32)
-    sx = tl.zeros([BLOCK_V], tl.float32)
+    s = tl.zeros([BLOCK_V], ACC)
+    sx = tl.zeros([BLOCK_V], ACC)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
-        x = x.to(tl.float32) * inv_tau
+        x = x.to(ACC) * inv_tau
         m_new = tl.maximum(m, tl.max(x, 0))
         # While every logit so far is -inf (padded vocabulary) shift by 0, not by -inf - -inf.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -64,8 +66,8 @@ def _row_grad(
     stride_out_v,
     V,
     inv_tau,
-    lse,  # log-sum-exp of the row / tau
-    coef,  # dL/dlogp / tau, float32
+    lse,  # log-sum-exp of the row / tau, in the accumulation dtype
+    coef,  # dL/dlogp / tau
     tok,  # the row's token id
     BLOCK_V: tl.constexpr,
 ):
@@ -82,7 +84,7 @@ def _row_grad(
         for i in range(0, n_blocks):
             cols = (n_blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
             x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
-            p = tl.exp(x.to(tl.float32) * inv_tau - lse)
+            p = tl.exp(x.to(lse.dtype) * inv_tau - lse)
             g = coef * (tl.where(cols == tok, 1.0, 0.0) - p)
             tl.store(out_ptr + cols.to(tl.int64) * stride_out_v, g.to(out_ptr.dtype.element_ty), mask=cols < V)
 
@@ -94,9 +96,9 @@ def _logprobs_fwd_kernel(
     stride_t,
     stride_v,
     ids_ptr,  # [B * T] contiguous
-    logp_ptr,  # [B * T] float32 out
-    lse_ptr,  # [B * T] float32 out
-    entropy_ptr,  # [B * T] float32 out, unused without RETURN_ENTROPY
+    logp_ptr,  # [B * T] out, float32 (float64 for float64 logits): sets the accumulation dtype
+    lse_ptr,  # [B * T] out, as logp
+    entropy_ptr,  # [B * T] out, as logp; unused without RETURN_ENTROPY
     T,
     V,
     inv_tau,
@@ -107,9 +109,10 @@ def _logprobs_fwd_kernel(
     b = (row // T).to(tl.int64)
     t = (row % T).to(tl.int64)
     row_ptr = logits_ptr + b * stride_b + t * stride_t
-    lse, mean_x = _row_logsumexp(row_ptr, stride_v, V, inv_tau, BLOCK_V, RETURN_ENTROPY)
+    acc = logp_ptr.dtype.element_ty
+    lse, mean_x = _row_logsumexp(row_ptr, stride_v, V, inv_tau, acc, BLOCK_V, RETURN_ENTROPY)
     tok = tl.load(ids_ptr + row).to(tl.int64)
-    x_tok = tl.load(row_ptr + tok * stride_v).to(tl.float32) * inv_tau
+    x_tok = tl.load(row_ptr + tok * stride_v).to(acc) * inv_tau
     tl.store(logp_ptr + row, x_tok - lse)
     tl.store(lse_ptr + row, lse)
     if RETURN_ENTROPY:
@@ -127,8 +130,8 @@ def _logprobs_bwd_kernel(
     stride_out_t,
     stride_out_v,
     ids_ptr,  # [B * T] contiguous
-    lse_ptr,  # [B * T] float32, from the forward
-    grad_logp_ptr,  # [B * T] float32 dL/dlogp
+    lse_ptr,  # [B * T] from the forward, in the accumulation dtype
+    grad_logp_ptr,  # [B * T] dL/dlogp, as lse
     T,
     V,
     inv_tau,
@@ -154,6 +157,10 @@ def block_size(V: int, block_v: Optional[int] = None) -> int:
     return min(MAX_BLOCK_V, triton.next_power_of_2(V))
 
 
+def accumulate_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
 def num_warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
@@ -166,9 +173,9 @@ def logprobs_fwd(
     block_v: Optional[int] = None,
 ):
     """logits [B, T, V] (any strides), ids [B, T] -> logp, lse (of logits / temperature),
-    entropy or None; each [B, T] float32. Reads the logits exactly once."""
+    entropy or None; each [B, T] float32 (float64 for float64 logits). Reads the logits once."""
     B, T, V = logits.shape
-    logp = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    logp = torch.empty(B, T, dtype=accumulate_dtype(logits), device=logits.device)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if return_entropy else None
     if B * T == 0:
@@ -199,7 +206,7 @@ def logprobs_bwd(
     block = block_size(V, block_v)
     _logprobs_bwd_kernel[(B * T,)](
         logits, *logits.stride(), out, *out.stride(), ids.reshape(-1).contiguous(),
-        lse.reshape(-1).contiguous(), grad_logp.reshape(-1).float().contiguous(), T, V, 1.0 / temperature,
+        lse.reshape(-1).contiguous(), grad_logp.reshape(-1).to(lse.dtype).contiguous(), T, V, 1.0 / temperature,
         BLOCK_V=block, num_warps=num_warps(block),
     )  # fmt: skip
     return out
