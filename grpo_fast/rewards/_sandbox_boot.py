@@ -4,8 +4,9 @@ Usage: python -I -S _sandbox_boot.py CONFIG_JSON   (stdin: the program's stdin;
 stdout: one JSON status line; the program's stdout/stderr go to the fds named in CONFIG).
 
 It runs with the caller's privileges (root for full isolation) and
-  1. unshares new PID, network and mount namespaces (root only; otherwise it falls back,
-     see SECURITY.md);
+  1. unshares new PID, network and mount namespaces (root only; otherwise it falls back to
+     rlimits, a Python-level socket block and killing every descendant it can find as their
+     child subreaper, see SECURITY.md);
   2. forks the child, which becomes PID 1 of the new PID namespace. The child mounts a
      fresh /proc, binds the scratch dir over every world-writable dir (/tmp first among
      them), makes the interpreter reachable for the sandbox uid, sets the resource limits,
@@ -30,7 +31,7 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 # Every directory a non-root user can write on a stock Linux image.
 WORLD_WRITABLE_DIRS = ("/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue", "/tmp")
 SETUP_FAILED = 121
@@ -129,14 +130,40 @@ def _child(cfg: dict, isolated: bool) -> None:
     os.execve(cfg["python"], [cfg["python"], "-I", "-c", program, *cfg["args"]], env)
 
 
+def _reap_descendants() -> None:
+    """Without a PID namespace: kill and reap every remaining descendant.
+
+    This process is a child subreaper, so the program's orphans, also those that left its
+    process group with setsid(), are re-parented here, where they can be found and killed.
+    """
+    while True:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                for pid in f.read().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.001)
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    isolation_error = None
-    try:
-        _check(libc.unshare(CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWNS), "unshare")
-        isolated = True
-    except OSError as exc:
-        isolated, isolation_error = False, str(exc)
+    isolation_error = "not root"
+    isolated = cfg["namespaces"]
+    if isolated:
+        try:
+            _check(libc.unshare(CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWNS), "unshare")
+            isolation_error = None
+        except OSError as exc:
+            isolated, isolation_error = False, str(exc)
+    if not isolated:
+        _check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(CHILD_SUBREAPER)")
     # The child reports a setup failure through this pipe; a successful exec closes it (CLOEXEC).
     err_read, err_write = os.pipe()
     pid = os.fork()
@@ -167,10 +194,7 @@ def main() -> None:
     _, status = os.waitpid(pid, 0)
     signal.setitimer(signal.ITIMER_REAL, 0)
     if not isolated:
-        try:
-            os.killpg(pid, signal.SIGKILL)  # stragglers that stayed in its group
-        except OSError:
-            pass
+        _reap_descendants()
     print(json.dumps({
         "isolated": isolated,
         "isolation_error": isolation_error,

@@ -40,7 +40,7 @@ class SandboxLimits:
     cpu_time_s:    CPU seconds per process (RLIMIT_CPU); None = ceil(wall_time_s).
     memory_bytes:  address space per process (RLIMIT_AS).
     max_processes: processes and threads of the sandbox uid (RLIMIT_NPROC).
-    output_bytes:  largest stdout, stderr or file it may write (RLIMIT_FSIZE; SIGXFSZ beyond).
+    output_bytes:  largest stdout, stderr or file it may write (RLIMIT_FSIZE: writes beyond fail).
     open_files:    file descriptors per process (RLIMIT_NOFILE).
     """
 
@@ -64,7 +64,7 @@ class SandboxResult:
     stdout: str
     stderr: str
     exit_code: int | None  # None when killed by a signal
-    signal: int | None  # e.g. 9 at the deadline, 25 (SIGXFSZ) past output_bytes
+    signal: int | None  # e.g. 9 (SIGKILL) at the deadline
     timed_out: bool
     isolated: bool  # namespaces were available (see SECURITY.md for the fallback)
     wall_s: float
@@ -89,8 +89,11 @@ def run_python(program: str, *, files: dict[str, str] | None = None, stdin: str 
     if not isinstance(program, str):
         raise TypeError(f"program must be a str of Python source, got {type(program).__name__}")
     limits = limits or SandboxLimits()
+    # GRPO_FAST_SANDBOX_UNPRIVILEGED=1 runs as a non-root caller would (no namespaces, no
+    # uid change) so that tests can exercise that fallback as root.
+    privileged = os.geteuid() == 0 and os.environ.get("GRPO_FAST_SANDBOX_UNPRIVILEGED") != "1"
     with _uid_slot() as slot:
-        return _run(program, files or {}, stdin, args, limits, UID_BASE + slot if os.geteuid() == 0 else None)
+        return _run(program, files or {}, stdin, args, limits, UID_BASE + slot if privileged else None)
 
 
 @contextmanager
@@ -134,6 +137,7 @@ def _run(program: str, files: dict, stdin: str, args, limits: SandboxLimits, uid
             "workdir": workdir,
             "scratch": scratch,
             "uid": uid,
+            "namespaces": uid is not None,
             "stdout_fd": out_fd,
             "stderr_fd": err_fd,
             "limits": {**asdict(limits), "cpu_time_s": int(limits.cpu_time_s or math.ceil(limits.wall_time_s))},
