@@ -1,0 +1,252 @@
+"""PPOTrainer: the critic baseline that GRPO is measured against.
+
+    for step:
+        rollout  <- the GRPO trainer's rollout: G samples per prompt, rewards, (ref log-probs)
+        values   <- value model on the completion tokens, no grad                  # (N, C)
+        rewards  <- the sequence reward on each completion's last token            # (N, C)
+        A, R     <- GAE(rewards, values; gamma, lambda); A whitened over active tokens
+        for iteration in range(num_iterations):
+            for micro-batch:
+                policy: grpo_loss(logits, ids, A [N, C], ...)   (the fused ops, per-token A)
+                critic: clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2)
+            clip and step each model with its own AdamW
+
+Choices, so that PPO and GRPO differ only in where the advantages come from: the same
+rollout, reward path, policy loss and options (loss_type, clipping, micro-batching); the
+KL to the reference is the loss term ``beta * kl`` of GRPO (as verl's ``use_kl_loss``),
+not a per-token reward penalty. The value model is the policy's decoder (a copy: same
+architecture, same starting weights) with a zero-initialised scalar head, trained by its
+own optimizer with its own learning rate. Checkpoints hold the policy only, so a PPO run
+does not resume.
+"""
+
+import copy
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from grpo_fast.trainer.config import GRPOConfig
+from grpo_fast.trainer.grpo import _PER_SEQUENCE, GRPOTrainer
+from grpo_fast.trainer.rollout import Rollout, autocast, completion_hidden
+
+
+@dataclass
+class PPOConfig(GRPOConfig):
+    """A PPO run: every :class:`GRPOConfig` key plus the critic's."""
+
+    gamma: float = 1.0  # discount over completion tokens
+    lam: float = 0.95  # GAE lambda
+    cliprange_value: float = 0.2  # the value may move at most this far from its rollout value
+    value_learning_rate: Optional[float] = None  # None = learning_rate
+    whiten_advantages: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("gamma", "lam"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        if not self.cliprange_value > 0:
+            raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value!r}")
+        if self.value_learning_rate is not None and not self.value_learning_rate > 0:
+            raise ValueError(f"value_learning_rate must be > 0 or None, got {self.value_learning_rate!r}")
+        if self.lora_r > 0:
+            raise ValueError("the PPO baseline trains full models: lora_r must be 0")
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95):
+    """Generalised advantage estimation over completion tokens.
+
+    Args:
+        rewards: [N, C] per-token rewards.
+        values: [N, C] value of the state before each token.
+        mask: [N, C] 1 on a contiguous run of active tokens from t = 0; the value after the
+            last active token is 0 (the episode ends there).
+
+    Returns:
+        ``(advantages [N, C], returns [N, C])``, both 0 where ``mask == 0``:
+        ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``,
+        ``R_t = A_t + V_t``.
+    """
+    if rewards.dim() != 2 or values.shape != rewards.shape or mask.shape != rewards.shape:
+        raise ValueError(
+            f"rewards, values and mask must all be [N, C], got {list(rewards.shape)}, "
+            f"{list(values.shape)}, {list(mask.shape)}"
+        )
+    m = mask.to(values.dtype)
+    advantages = torch.zeros_like(values)
+    next_value = values.new_zeros(values.shape[0])
+    next_advantage = values.new_zeros(values.shape[0])
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = (delta + gamma * lam * next_advantage) * m[:, t]
+        next_value = values[:, t] * m[:, t]
+        advantages[:, t] = next_advantage
+    return advantages, advantages + values * m
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the active tokens of ``x`` [N, C]; 0 where ``mask == 0``."""
+    m = mask.to(x.dtype)
+    n = m.sum().clamp(min=1.0)
+    mean = (x * m).sum() / n
+    var = ((x - mean) ** 2 * m).sum() / (n - 1).clamp(min=1.0)
+    return (x - mean) * torch.rsqrt(var + eps) * m
+
+
+def terminal_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards [N, C]: each sequence's score [N] on its last active token, 0 elsewhere."""
+    rewards = torch.zeros_like(mask, dtype=torch.float32)
+    last = (mask.sum(1).long() - 1).clamp(min=0)
+    rewards[torch.arange(mask.shape[0], device=mask.device), last] = scores.float() * (mask.sum(1) > 0)
+    return rewards
+
+
+def clipped_value_loss(values, old_values, returns, mask, cliprange: float):
+    """Sum over active tokens of ``0.5 * max((V - R)^2, (V_clip - R)^2)``, V_clip within
+    ``cliprange`` of the rollout's value; all [n, C]. Also returns the clipped fraction's count."""
+    clipped = old_values + (values - old_values).clamp(-cliprange, cliprange)
+    loss = torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+    m = mask.to(loss.dtype)
+    with torch.no_grad():
+        clip_count = (((clipped - returns) ** 2 > (values - returns) ** 2).to(m.dtype) * m).sum()
+    return 0.5 * (loss * m).sum(), clip_count
+
+
+class ValueModel(torch.nn.Module):
+    """The critic: a copy of the policy's decoder with a scalar head, V(state before token t)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.decoder = copy.deepcopy(policy.get_decoder())
+        self.head = torch.nn.Linear(policy.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)  # values start at 0: no arbitrary baseline at step 0
+        torch.nn.init.zeros_(self.head.bias)
+
+    def get_decoder(self):
+        return self.decoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
+        """Values of the states that predict the completion tokens: [N, P + C] -> [N, C] float32."""
+        hidden = completion_hidden(self, input_ids, attention_mask, num_completion_tokens)  # [N, C, H]
+        return self.head(hidden).squeeze(-1).float()
+
+
+def micro_batch_weight(loss_type: str, rows: slice, N: int, tokens: torch.Tensor, num_items: torch.Tensor) -> float:
+    """What a micro-batch's loss is multiplied by so that the accumulated gradient is the full batch's."""
+    if loss_type in _PER_SEQUENCE:
+        return (rows.stop - rows.start) / N
+    if loss_type == "bnpo":
+        return (tokens / num_items.clamp(min=1)).item()
+    return 1.0  # dapo, cispo: already divided by the whole batch's token count
+
+
+class PPOTrainer(GRPOTrainer):
+    """PPO with a value model on the GRPO trainer's rollout, data and policy loss.
+
+    Args: as :class:`GRPOTrainer`; ``config`` is a :class:`PPOConfig`.
+    """
+
+    def __init__(self, config: PPOConfig, **kwargs):
+        if not isinstance(config, PPOConfig):
+            raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}")
+        super().__init__(config, **kwargs)
+        self.value_model = ValueModel(self.policy).to(self.device).train()
+        self.value_optimizer = torch.optim.AdamW(
+            self.value_model.parameters(),
+            lr=config.value_learning_rate or config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.weight_decay,
+        )
+        self.value_scheduler = torch.optim.lr_scheduler.LambdaLR(self.value_optimizer, self._lr_factor)
+
+    @torch.no_grad()
+    def rollout_values(self, batch: Rollout) -> torch.Tensor:
+        """The critic's values of the rollout, [N, C], in micro-batches."""
+        N, C = batch.completion_mask.shape
+        step = self.config.micro_batch_size or N
+        with autocast(self.device, self.bf16):
+            return torch.cat(
+                [
+                    self.value_model(batch.input_ids[i : i + step], batch.attention_mask[i : i + step], C)
+                    for i in range(0, N, step)
+                ]
+            )
+
+    def train_step(self) -> dict:
+        """One PPO step: rollout, values, GAE, num_iterations optimizer steps of both models."""
+        config = self.config
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        batch = self.make_rollout()
+        mask = batch.completion_mask  # [N, C]
+        N, C = mask.shape
+        old_values = self.rollout_values(batch)  # [N, C]
+        scores = batch.advantages.rewards  # [N], the weighted reward sum
+        advantages, returns = gae(terminal_rewards(scores, mask), old_values, mask, config.gamma, config.lam)
+        if config.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        batch = dataclasses.replace(batch, advantages=batch.advantages._replace(advantages=advantages))
+
+        micro = config.micro_batch_size or N
+        num_items = mask.sum()
+        sums = dict(loss=0.0, value_loss=0.0, value_clip_frac=0.0, kl=0.0, clip_ratio_low=0.0,
+                    clip_ratio_high=0.0, clip_ratio_region=0.0, entropy=0.0)  # fmt: skip
+        for _ in range(config.num_iterations):
+            for i in range(0, N, micro):
+                rows = slice(i, min(i + micro, N))
+                tokens = mask[rows].sum()
+                out = self._loss(batch, rows, num_items)
+                weight = micro_batch_weight(config.loss_type, rows, N, tokens, num_items)
+                (out.loss * weight).backward()
+                with autocast(self.device, self.bf16):
+                    values = self.value_model(batch.input_ids[rows], batch.attention_mask[rows], C)
+                value_sum, clip_count = clipped_value_loss(
+                    values, old_values[rows], returns[rows], mask[rows], config.cliprange_value
+                )
+                (value_sum / num_items.clamp(min=1)).backward()  # token mean over the whole batch
+
+                share = (tokens / num_items.clamp(min=1)).item() / config.num_iterations
+                sums["loss"] += out.loss.item() * weight / config.num_iterations
+                sums["value_loss"] += value_sum.item() / max(num_items.item(), 1) / config.num_iterations
+                sums["value_clip_frac"] += clip_count.item() / max(num_items.item(), 1) / config.num_iterations
+                for key in ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy"):
+                    value = getattr(out, key)
+                    sums[key] = None if value is None or sums[key] is None else sums[key] + value.item() * share
+            max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm).item()
+            value_grad_norm = torch.nn.utils.clip_grad_norm_(self.value_model.parameters(), max_norm).item()
+            for optimizer, scheduler in ((self.optimizer, self.scheduler), (self.value_optimizer, self.value_scheduler)):
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        elapsed = time.perf_counter() - start
+
+        combined = batch.advantages.rewards
+        metrics = dict(
+            step=self.step,
+            reward_mean=combined.mean().item(),
+            reward_std=combined.std().item(),
+            **sums,
+            value_mean=((old_values * mask).sum() / num_items.clamp(min=1)).item(),
+            completion_len_mean=mask.sum(1).mean().item(),
+            tokens_per_s=batch.attention_mask.sum().item() / elapsed,
+            step_time_s=elapsed,
+            peak_mem_bytes=self._peak_memory(),
+            grad_norm=grad_norm,
+            value_grad_norm=value_grad_norm,
+            learning_rate=self.scheduler.get_last_lr()[0],
+        )
+        for k, name in enumerate(self.reward_names):
+            column = batch.rewards[:, k]
+            metrics[f"rewards/{name}"] = column.nanmean().item() if not column.isnan().all() else None
+        return metrics
+
+    def resume(self, path: Optional[str] = None) -> int:
+        raise NotImplementedError("the PPO baseline does not resume: its checkpoints hold the policy, not the critic")
