@@ -49,6 +49,17 @@ def extract_answer(text: str) -> str | None:
     return numbers[-1].rstrip(".") if numbers else None
 
 
+def reference_answer(text) -> str | None:
+    """The final answer of a reference: after GSM8K's '####', inside MATH's \\boxed{},
+    or the whole (stripped) text when it has neither; None stays None."""
+    if text is None:
+        return None
+    text = str(text)
+    if "####" in text or _BOXED.search(text):
+        return extract_answer(text)
+    return text.strip()
+
+
 def _math_verify():
     try:
         import math_verify
@@ -99,8 +110,7 @@ def math_reward(prompts: list[str], completions: list[str], answer: list | None 
         if ref is None:
             scores.append(None)
             continue
-        ref = str(ref)
-        ref_answer = extract_answer(ref) if ("\\boxed" in ref or "####" in ref or "\\fbox" in ref) else ref.strip()
+        ref_answer = reference_answer(ref)
         predicted = extract_answer(completion)
         scores.append(float(predicted is not None and ref_answer is not None and answers_match(predicted, ref_answer)))
     return scores
