@@ -1,0 +1,55 @@
+"""Prompt sources and their reward functions: the built-in arithmetic demo, or a dataset on disk.
+
+Reward functions are named in configs: ``"arithmetic"`` (the demo's), any name exported by
+``grpo_fast.rewards`` (``math_reward``, ``format_reward``, ...), or ``"package.module:function"``.
+"""
+
+import importlib
+from typing import Callable, Optional
+
+from grpo_fast.tasks.arithmetic import arithmetic_reward
+
+DEMO_REWARDS = ("arithmetic",)
+DATASET_REWARDS = ("math_reward",)
+
+
+def get_reward_function(name) -> Callable:
+    """Resolves a reward function by name (or returns a callable unchanged)."""
+    if callable(name):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"reward_funcs entries must be names or callables, got {name!r}")
+    if name == "arithmetic":
+        return arithmetic_reward
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            func = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"reward function {name!r} cannot be imported: {exc}") from exc
+    else:
+        rewards = importlib.import_module("grpo_fast.rewards")
+        func = getattr(rewards, name, None)
+        if func is None:
+            known = ["arithmetic"] + [n for n in getattr(rewards, "__all__", []) if callable(getattr(rewards, n))]
+            raise ValueError(f"unknown reward function {name!r}; known: {known} or 'package.module:function'")
+    if not callable(func):
+        raise ValueError(f"reward function {name!r} is not callable")
+    return func
+
+
+def load_rows(dataset: Optional[str], *, tokenizer=None, seed: int = 0, **options) -> list:
+    """Prompt rows: the arithmetic demo when ``dataset`` is None, else the file or folder at that path.
+
+    ``options``: prompt_column, answer_column, system_prompt (see ``load_prompt_dataset``).
+    """
+    if dataset is None:
+        from grpo_fast.tasks.arithmetic import build_dataset
+
+        return build_dataset(seed=seed)
+    from grpo_fast.tasks.datasets import load_prompt_dataset
+
+    rows = load_prompt_dataset(dataset, tokenizer=tokenizer, **options)
+    if not rows:
+        raise ValueError(f"dataset {dataset!r} has no rows")
+    return rows

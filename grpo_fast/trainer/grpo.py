@@ -1,0 +1,387 @@
+"""GRPOTrainer: the lean GRPO loop.
+
+    for step:
+        rows     <- next batch_size / G prompts (shuffled each epoch, resumable by position)
+        rollout  <- G samples per prompt (HF generate), rewards [N, K], group advantages,
+                    old log-probs (num_iterations > 1), reference log-probs (beta != 0)
+        for iteration in range(num_iterations):         # one optimizer step each
+            for micro-batch: loss <- grpo_loss(logits of completion tokens only); backward
+            clip grad norm; AdamW step; LR schedule step
+        log metrics.jsonl; checkpoint every save_every steps
+
+Choices: the loss's temperature is the sampling temperature (the log-probs are those of the
+distribution that sampled); micro-batch losses are weighted so that the accumulated
+gradient equals the full-batch gradient for every loss type; on CUDA the forward passes
+run under bf16 autocast while weights and optimizer state stay float32.
+"""
+
+import copy
+import math
+import os
+import random
+import resource
+import shutil
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from grpo_fast import grpo_loss
+from grpo_fast.tasks import DATASET_REWARDS, DEMO_REWARDS, get_reward_function, load_rows
+from grpo_fast.trainer import checkpoint as ckpt
+from grpo_fast.trainer import run_log
+from grpo_fast.trainer.config import GRPOConfig
+from grpo_fast.trainer.rollout import Rollout, autocast, completion_hidden, completion_logits, rollout
+
+# Loss types whose value is a mean over sequences: a micro-batch of n rows out of N weighs n / N.
+_PER_SEQUENCE = ("grpo", "sapo", "luspo", "dr_grpo")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_model_and_tokenizer(config: GRPOConfig):
+    """The policy and tokenizer: from ``config.model`` (a local path) or the built-in demo."""
+    if config.model is None:
+        from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
+
+        tokenizer = build_tokenizer()
+        return build_model(tokenizer, seed=config.seed), tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(config.model, local_files_only=True, dtype=torch.float32)
+    return model, tokenizer
+
+
+class GRPOTrainer:
+    """Trains ``model`` (or the one ``config`` names) with GRPO on ``rows`` (or ``config.dataset``).
+
+    Args:
+        config: the run (see :class:`GRPOConfig`).
+        model, tokenizer: an already loaded policy and tokenizer (default: from ``config``).
+        rows: prompt rows ``{"prompt": str, ...}`` (default: from ``config``).
+        reward_funcs: callables or names (default: ``config.reward_funcs``, else the task's).
+    """
+
+    def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None, rows=None, reward_funcs=None):
+        config.validate()
+        self.config = config
+        seed_everything(config.seed)
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+        )
+        self.bf16 = config.precision == "bf16" or (config.precision == "auto" and self.device.type == "cuda")
+        if model is None:
+            model, tokenizer = load_model_and_tokenizer(config)
+        elif tokenizer is None:
+            raise ValueError("a model passed to GRPOTrainer needs its tokenizer")
+        self.tokenizer = tokenizer
+        self.policy = self._prepare_policy(model)
+        self.reference = self._make_reference()
+        self.rows = rows if rows is not None else self._load_rows()
+        self.reward_funcs, self.reward_names = self._resolve_rewards(reward_funcs)
+        self.fused_linear_grpo_loss = self._fused_loss() if config.fused_linear else None
+
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.step = 0
+        self.data_position = 0
+        self.output_dir = config.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        self.history: list = []
+
+    # ---------------------------------------------------------------- setup
+    def _prepare_policy(self, model):
+        config = self.config
+        if config.lora_r > 0:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(
+                r=config.lora_r,
+                lora_alpha=config.lora_alpha,
+                target_modules=list(config.lora_target_modules),
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, lora)
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        return model.to(self.device).train()
+
+    def _make_reference(self):
+        """None when beta == 0; the policy itself for LoRA (adapters off); else a frozen copy."""
+        if self.config.beta == 0:
+            return None
+        if self.config.lora_r > 0:
+            return self.policy
+        reference = copy.deepcopy(self.policy).eval()
+        reference.requires_grad_(False)
+        return reference
+
+    def _load_rows(self) -> list:
+        config = self.config
+        return load_rows(
+            config.dataset,
+            tokenizer=self.tokenizer,
+            seed=config.seed,
+            prompt_column=config.prompt_column,
+            answer_column=config.answer_column,
+            system_prompt=config.system_prompt,
+        )
+
+    def _resolve_rewards(self, reward_funcs):
+        names = reward_funcs or self.config.reward_funcs
+        if names is None:
+            names = DEMO_REWARDS if self.config.dataset is None else DATASET_REWARDS
+        funcs = [get_reward_function(name) for name in names]
+        return funcs, [getattr(f, "__name__", str(f)) for f in funcs]
+
+    def _fused_loss(self):
+        import grpo_fast
+
+        fused = getattr(grpo_fast, "fused_linear_grpo_loss", None)
+        if fused is None:
+            raise ValueError("fused_linear=True needs grpo_fast.fused_linear_grpo_loss, which this install lacks")
+        return fused
+
+    def _lr_factor(self, optimizer_step: int) -> float:
+        """Linear warmup over warmup_steps training steps, then constant, linear or cosine decay."""
+        config = self.config
+        mu = config.num_iterations
+        warmup, total = config.warmup_steps * mu, config.steps * mu
+        if optimizer_step < warmup:
+            return (optimizer_step + 1) / (warmup + 1)
+        progress = (optimizer_step - warmup) / max(1, total - warmup)
+        if config.lr_schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if config.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    # ---------------------------------------------------------------- data
+    def next_rows(self) -> list:
+        """The next prompts_per_step rows: a fresh seeded shuffle each epoch, so a position resumes."""
+        rows = []
+        for _ in range(self.config.prompts_per_step):
+            epoch, index = divmod(self.data_position, len(self.rows))
+            order = list(range(len(self.rows)))
+            random.Random(self.config.seed * 100_003 + epoch).shuffle(order)
+            rows.append(self.rows[order[index]])
+            self.data_position += 1
+        return rows
+
+    # ---------------------------------------------------------------- one step
+    def make_rollout(self) -> Rollout:
+        config = self.config
+        return rollout(
+            self.policy,
+            self.tokenizer,
+            self.next_rows(),
+            self.reward_funcs,
+            group_size=config.group_size,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            max_prompt_length=config.max_prompt_length,
+            reward_weights=config.reward_weights,
+            advantage_scale=config.advantage_scale,
+            reference=self.reference,
+            need_old_logprobs=config.num_iterations > 1,
+            micro_batch_size=config.micro_batch_size,
+            bf16=self.bf16,
+        )
+
+    def _loss(self, batch: Rollout, rows: slice, num_items: torch.Tensor):
+        """The loss output for one micro-batch ``rows`` of ``batch``."""
+        config = self.config
+        ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
+        C = batch.completion_mask.shape[1]
+        args = (
+            ids[:, -C:],
+            batch.advantages.advantages[rows],
+            batch.completion_mask[rows],
+            None if batch.old_logprobs is None else batch.old_logprobs[rows],
+            None if batch.ref_logprobs is None else batch.ref_logprobs[rows],
+        )
+        options = dict(
+            beta=config.beta,
+            eps_low=config.eps_low,
+            eps_high=config.eps_high,
+            delta=config.delta,
+            temperature=config.temperature,
+            loss_type=config.loss_type,
+            importance_sampling=config.importance_sampling,
+            max_completion_length=config.max_new_tokens,
+            num_items_in_batch=num_items,
+            kl_estimator=config.kl_estimator,
+        )
+        with autocast(self.device, self.bf16):
+            if self.fused_linear_grpo_loss is not None:
+                head = self.policy.get_output_embeddings()
+                hidden = completion_hidden(self.policy, ids, mask, C)
+                return self.fused_linear_grpo_loss(hidden, head.weight, *args, bias=head.bias, **options)
+            logits = completion_logits(self.policy, ids, mask, C)
+            return grpo_loss(logits, *args, return_entropy=True, **options)
+
+    def train_step(self) -> dict:
+        """One GRPO step: rollout, num_iterations optimizer steps, metrics."""
+        config = self.config
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        batch = self.make_rollout()
+        N = batch.input_ids.shape[0]
+        micro = config.micro_batch_size or N
+        num_items = batch.completion_mask.sum()  # active tokens of the whole batch (dapo/cispo/bnpo)
+        sums = dict(loss=0.0, kl=0.0, clip_ratio_low=0.0, clip_ratio_high=0.0, clip_ratio_region=0.0, entropy=0.0)
+        grad_norm = 0.0
+        for _ in range(config.num_iterations):
+            for i in range(0, N, micro):
+                rows = slice(i, min(i + micro, N))
+                tokens = batch.completion_mask[rows].sum()
+                out = self._loss(batch, rows, num_items)
+                if config.loss_type in _PER_SEQUENCE:
+                    weight = (rows.stop - rows.start) / N
+                elif config.loss_type == "bnpo":
+                    weight = (tokens / num_items.clamp(min=1)).item()
+                else:  # dapo, cispo: already divided by the whole batch's token count
+                    weight = 1.0
+                (out.loss * weight).backward()
+                share = (tokens / num_items.clamp(min=1)).item() / config.num_iterations
+                sums["loss"] += out.loss.item() * weight / config.num_iterations
+                for key in ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy"):
+                    value = getattr(out, key)
+                    sums[key] = None if value is None or sums[key] is None else sums[key] + value.item() * share
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        elapsed = time.perf_counter() - start
+
+        combined = batch.advantages.rewards
+        metrics = dict(
+            step=self.step,
+            reward_mean=combined.mean().item(),
+            reward_std=combined.std().item(),
+            frac_reward_zero_std=batch.advantages.frac_zero_std.item(),
+            **sums,
+            completion_len_mean=batch.completion_mask.sum(1).mean().item(),
+            tokens_per_s=batch.attention_mask.sum().item() / elapsed,
+            step_time_s=elapsed,
+            peak_mem_bytes=self._peak_memory(),
+            grad_norm=grad_norm,
+            learning_rate=self.scheduler.get_last_lr()[0],
+        )
+        for k, name in enumerate(self.reward_names):
+            column = batch.rewards[:, k]
+            metrics[f"rewards/{name}"] = column.nanmean().item() if not column.isnan().all() else None
+        return metrics
+
+    def _peak_memory(self) -> int:
+        """Peak bytes: CUDA allocator peak of this step, or the process's peak resident set on CPU."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    # ---------------------------------------------------------------- checkpoints
+    def trainable_state(self) -> dict:
+        return {name: p.detach().cpu().clone() for name, p in self.policy.named_parameters() if p.requires_grad}
+
+    def save_checkpoint(self) -> str:
+        state = dict(
+            step=self.step,
+            data_position=self.data_position,
+            model=self.trainable_state(),
+            optimizer=self.optimizer.state_dict(),
+            scheduler=self.scheduler.state_dict(),
+            rng=ckpt.rng_state(),
+            config=self.config.to_dict(),
+        )
+        return ckpt.save_checkpoint(self.output_dir, state, keep=self.config.keep_checkpoints)
+
+    def resume(self, path: Optional[str] = None) -> int:
+        """Restores the newest checkpoint of the output dir (or ``path``); returns its step."""
+        path = path or ckpt.latest_checkpoint(self.output_dir)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(self.output_dir, 'checkpoints')!r}")
+        state = ckpt.load_checkpoint(path)
+        params = dict(self.policy.named_parameters())
+        expected = {name for name, p in params.items() if p.requires_grad}
+        if set(state["model"]) != expected:
+            missing, extra = sorted(expected - set(state["model"])), sorted(set(state["model"]) - expected)
+            raise ckpt.CheckpointError(
+                f"checkpoint {path!r} does not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
+        with torch.no_grad():
+            for name, value in state["model"].items():
+                if params[name].shape != value.shape:
+                    raise ckpt.CheckpointError(
+                        f"checkpoint {path!r}: {name} has shape {list(value.shape)}, the model {list(params[name].shape)}"
+                    )
+                params[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        ckpt.set_rng_state(state["rng"])
+        self.step, self.data_position = state["step"], state["data_position"]
+        run_log.truncate_metrics(self.output_dir, self.step)
+        self.history = run_log.read_metrics(self.output_dir)
+        return self.step
+
+    def save_model(self) -> str:
+        """``save_pretrained`` of the policy and tokenizer to ``<output_dir>/final`` (via a temp dir)."""
+        final = os.path.join(self.output_dir, "final")
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.policy.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        return final
+
+    # ---------------------------------------------------------------- the loop
+    def train(self) -> list:
+        """Runs the remaining steps; returns the metrics of every step of the run."""
+        from tqdm.auto import tqdm
+
+        config = self.config
+        os.makedirs(self.output_dir, exist_ok=True)
+        with open(os.path.join(self.output_dir, "config.yaml"), "w") as f:
+            import yaml
+
+            yaml.safe_dump(config.to_dict(), f, sort_keys=False)
+        start = time.perf_counter()
+        bar = tqdm(total=config.steps, initial=self.step, disable=not config.progress, desc="grpo", unit="step")
+        while self.step < config.steps:
+            metrics = self.train_step()
+            self.history.append(metrics)
+            run_log.append_metrics(self.output_dir, metrics)
+            kl = metrics["kl"]
+            bar.set_postfix(
+                reward=f"{metrics['reward_mean']:.3f}",
+                kl="-" if kl is None else f"{kl:.4f}",
+                tok_s=f"{metrics['tokens_per_s']:.0f}",
+                refresh=False,
+            )
+            bar.update(1)
+            if (config.save_every and self.step % config.save_every == 0) or self.step == config.steps:
+                self.save_checkpoint()
+        bar.close()
+        self.save_model()
+        self.plot_path = run_log.plot_rewards(self.history, os.path.join(self.output_dir, "reward.png"))
+        self.summary = run_log.summary(self.history, self.output_dir, time.perf_counter() - start)
+        return self.history

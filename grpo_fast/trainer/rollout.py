@@ -1,0 +1,267 @@
+"""The rollout: G sampled completions per prompt, their rewards, advantages and log-probs.
+
+Shared by the GRPO trainer and the PPO baseline: both sample with :func:`generate`, score
+with :func:`score`, and compute per-token log-probs of completions with
+:func:`completion_logits` + ``grpo_fast.token_logprobs`` (logits are computed only for the
+completion positions, never for the prompt).
+
+Sequence layout, N = num_prompts * G rows:
+
+    input_ids      [N, P + C]   left-padded prompt, then the completion (right-padded after EOS)
+    attention_mask [N, P + C]   1 on real prompt tokens and on completion tokens up to EOS
+    completion_mask [N, C]      1 on completion tokens up to and including the first EOS
+"""
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from grpo_fast import group_advantages, token_logprobs
+from grpo_fast.outputs import GroupAdvantages
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned something that is not one score per completion."""
+
+
+@dataclass
+class Rollout:
+    """One batch of experience: N = len(prompts) rows, samples of a prompt adjacent."""
+
+    prompts: list  # [N] str, each prompt repeated G times
+    completions: list  # [N] str, decoded without special tokens
+    columns: dict  # dataset columns other than the prompt, each a list of N values
+    input_ids: torch.Tensor  # [N, P + C]
+    attention_mask: torch.Tensor  # [N, P + C]
+    completion_mask: torch.Tensor  # [N, C] float32
+    rewards: torch.Tensor  # [N, K] float32, NaN where a function returned None
+    advantages: GroupAdvantages  # .advantages [N], .rewards [N] (weighted sum), group stats
+    old_logprobs: Optional[torch.Tensor] = None  # [N, C], only when num_iterations > 1
+    ref_logprobs: Optional[torch.Tensor] = None  # [N, C], only when beta != 0
+
+    @property
+    def completion_ids(self) -> torch.Tensor:
+        return self.input_ids[:, -self.completion_mask.shape[1] :]
+
+
+def autocast(device: torch.device, bf16: bool):
+    """bf16 autocast on CUDA when asked; a no-op context otherwise."""
+    if bf16 and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    prompts: list,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    max_prompt_length: Optional[int] = None,
+    bf16: bool = False,
+):
+    """Samples one completion per prompt with Hugging Face ``generate`` (KV cache, stop at EOS).
+
+    Returns ``(input_ids [N, P + C], attention_mask [N, P + C], completion_mask [N, C],
+    completions: list[str])``. Repeat each prompt G times in ``prompts`` for G samples.
+    """
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
+    enc = tokenizer(
+        prompts,
+        return_tensors="pt",
+        padding=True,
+        truncation=max_prompt_length is not None,
+        max_length=max_prompt_length,
+        add_special_tokens=False,
+    ).to(device)
+    gen_config = GenerationConfig(
+        do_sample=True,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        use_cache=True,
+    )
+    was_training = model.training
+    model.eval()
+    with autocast(device, bf16):
+        sequences = model.generate(**enc, generation_config=gen_config)
+    model.train(was_training)
+    P = enc["input_ids"].shape[1]
+    completion_ids = sequences[:, P:]  # [N, C]
+    C = completion_ids.shape[1]
+    is_eos = completion_ids == tokenizer.eos_token_id
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], C, dtype=torch.long))
+    completion_mask = (torch.arange(C, device=device).unsqueeze(0) <= first_eos.unsqueeze(1)).long()  # [N, C]
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    input_ids = torch.cat([enc["input_ids"], completion_ids], dim=1)
+    attention_mask = torch.cat([enc["attention_mask"], completion_mask], dim=1)
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return input_ids, attention_mask, completion_mask.float(), completions
+
+
+def score(reward_funcs: list, prompts: list, completions: list, columns: dict) -> torch.Tensor:
+    """Calls each ``f(prompts, completions, **columns) -> list[float | None]``; returns [N, K] float32.
+
+    None becomes NaN ("not scored", left out of the weighted sum). A function that raises or
+    returns the wrong number of scores is a :class:`RewardError` naming it and the sample.
+    """
+    N = len(prompts)
+    scores = torch.empty(N, len(reward_funcs), dtype=torch.float32)
+    for k, func in enumerate(reward_funcs):
+        name = getattr(func, "__name__", repr(func))
+        try:
+            values = list(func(prompts, completions, **columns))
+        except Exception as exc:
+            i = _first_failing_sample(func, prompts, completions, columns)
+            where = "" if i is None else f" on sample {i} (prompt={prompts[i]!r}, completion={completions[i]!r})"
+            raise RewardError(f"reward function {name!r} raised {type(exc).__name__}: {exc}{where}") from exc
+        if len(values) != N:
+            raise RewardError(f"reward function {name!r} returned {len(values)} scores for {N} completions")
+        for i, value in enumerate(values):
+            if value is not None and not isinstance(value, (int, float)):
+                raise RewardError(
+                    f"reward function {name!r} returned {value!r} (need float or None) on sample {i} "
+                    f"(prompt={prompts[i]!r}, completion={completions[i]!r})"
+                )
+            scores[i, k] = math.nan if value is None else float(value)
+    return scores
+
+
+def _first_failing_sample(func: Callable, prompts: list, completions: list, columns: dict) -> Optional[int]:
+    """Index of the first sample on which ``func`` raises when called on it alone."""
+    for i in range(len(prompts)):
+        try:
+            func(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()})
+        except Exception:
+            return i
+    return None
+
+
+def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
+    """Logits that predict the completion tokens: [N, C, V], a view of the model's [N, C + 1, V].
+
+    ``logits_to_keep`` makes the LM head run on the last C + 1 positions only; position ids
+    follow the attention mask so left padding does not shift the prompt.
+    """
+    C = num_completion_tokens
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=C + 1)
+    return out.logits[:, :-1]
+
+
+def completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
+    """Last hidden states (after the final norm) that predict the completion tokens: [N, C, H]."""
+    C = num_completion_tokens
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    decoder = model.get_decoder()
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    return out.last_hidden_state[:, -C - 1 : -1]
+
+
+@torch.no_grad()
+def completion_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion_tokens: int,
+    *,
+    temperature: float = 1.0,
+    micro_batch_size: Optional[int] = None,
+    bf16: bool = False,
+) -> torch.Tensor:
+    """Per-token log-probs of the completion tokens under ``model``: [N, C] float32, no grad."""
+    N, C = input_ids.shape[0], num_completion_tokens
+    step = micro_batch_size or N
+    out = []
+    with autocast(input_ids.device, bf16):
+        for i in range(0, N, step):
+            ids, mask = input_ids[i : i + step], attention_mask[i : i + step]
+            logits = completion_logits(model, ids, mask, C)
+            out.append(token_logprobs(logits, ids[:, -C:], temperature=temperature))
+    return torch.cat(out)
+
+
+def reference_context(policy, reference):
+    """The context in which ``reference`` computes reference log-probs: a peft policy used as
+    its own reference runs with its adapters disabled (no second copy of the weights)."""
+    if reference is policy:
+        return policy.disable_adapter()
+    return contextlib.nullcontext()
+
+
+def rollout(
+    policy,
+    tokenizer,
+    rows: list,
+    reward_funcs: list,
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    max_prompt_length: Optional[int] = None,
+    reward_weights: Optional[list] = None,
+    advantage_scale: str = "group",
+    reference=None,
+    need_old_logprobs: bool = False,
+    micro_batch_size: Optional[int] = None,
+    bf16: bool = False,
+) -> Rollout:
+    """Generation, rewards, group advantages and (when asked) old/reference log-probs.
+
+    Args:
+        policy: a ``transformers`` causal LM (optionally peft-wrapped).
+        rows: dataset rows, each with a "prompt" str and optional answer/test columns.
+        reward_funcs: ``f(prompts, completions, **columns) -> list[float | None]``.
+        reference: a frozen model for the KL term (the policy itself for peft: adapters
+            are disabled), or None for no reference log-probs.
+        need_old_logprobs: compute the sampling policy's log-probs (needed when the batch
+            is optimised more than once, num_iterations > 1).
+    """
+    prompts = [row["prompt"] for row in rows for _ in range(group_size)]
+    columns = {key: [row[key] for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
+    input_ids, attention_mask, completion_mask, completions = generate(
+        policy,
+        tokenizer,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        max_prompt_length=max_prompt_length,
+        bf16=bf16,
+    )
+    rewards = score(reward_funcs, prompts, completions, columns)
+    weights = None if reward_weights is None else torch.tensor(reward_weights, dtype=torch.float32)
+    advantages = group_advantages(rewards, group_size, scale=advantage_scale, reward_weights=weights)
+    C = completion_mask.shape[1]
+    logprob_args = dict(temperature=temperature, micro_batch_size=micro_batch_size, bf16=bf16)
+    old = completion_logprobs(policy, input_ids, attention_mask, C, **logprob_args) if need_old_logprobs else None
+    ref = None
+    if reference is not None:
+        with reference_context(policy, reference):
+            ref = completion_logprobs(reference, input_ids, attention_mask, C, **logprob_args)
+    device = input_ids.device
+    return Rollout(
+        prompts=prompts,
+        completions=completions,
+        columns=columns,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_mask=completion_mask,
+        rewards=rewards,
+        advantages=GroupAdvantages(*(t.to(device) for t in advantages)),
+        old_logprobs=old,
+        ref_logprobs=ref,
+    )
