@@ -15,7 +15,7 @@ import grpo_fast
 from grpo_fast import reference
 from grpo_fast.reference import LOSS_TYPES
 
-BACKENDS = ["torch"]
+BACKENDS = ["torch", "triton"]  # triton: the kernels under TRITON_INTERPRET=1 on CPU
 
 METRICS = ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "ratio_mean", "entropy")
 
