@@ -1,0 +1,121 @@
+"""``grpo-fast``: the command-line entry point.
+
+    grpo-fast train                                  # the built-in demo: a tiny model learns addition
+    grpo-fast train --model PATH --dataset PATH      # a real causal LM on a prompt dataset
+    grpo-fast train --config run.yaml --steps 500    # YAML config, flags override it
+    grpo-fast train --output runs/x --resume         # continue a run from its last checkpoint
+
+Every field of :class:`GRPOConfig` is also a flag (``--learning-rate``, ``--beta``, ...).
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+import typing
+
+from grpo_fast.trainer.config import GRPOConfig
+
+# Short names the issue and README use for config fields.
+_ALIASES = {"output_dir": ["--output"], "group_size": ["-G"]}
+
+
+def _flag_type(field: dataclasses.Field):
+    """(argparse type, nargs) for a config field: Optional[X] -> X, list -> nargs '+'."""
+    annotation = field.type
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = args[0] if typing.get_origin(annotation) is typing.Union and args else annotation
+    if base is list or typing.get_origin(base) is list:
+        return str, "+"
+    return base, None
+
+
+def _number_or_str(text: str):
+    """Reward weights and similar lists: numbers when they parse as numbers."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-fast", description="Fast, lean GRPO training.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser(
+        "train",
+        help="train a policy with GRPO (no arguments: the built-in demo)",
+        description="Train with GRPO. Without --model/--dataset: a tiny model learns single-digit "
+        "addition on the CPU in about a minute.",
+    )
+    train.add_argument("--config", help="YAML file of config keys; flags given here override it")
+    train.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
+    options = train.add_argument_group("config (every GRPOConfig field)")
+    for field in dataclasses.fields(GRPOConfig):
+        names = [f"--{field.name.replace('_', '-')}"] + _ALIASES.get(field.name, [])
+        kind, nargs = _flag_type(field)
+        if kind is bool:
+            options.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=None)
+        elif nargs:
+            element = _number_or_str if field.name == "reward_weights" else str
+            options.add_argument(*names, dest=field.name, nargs=nargs, type=element, default=None)
+        else:
+            options.add_argument(*names, dest=field.name, type=kind, default=None, metavar=field.name.upper())
+    return parser
+
+
+def _latest_run(root: str = "runs"):
+    runs = [os.path.join(root, d) for d in os.listdir(root)] if os.path.isdir(root) else []
+    runs = [r for r in runs if os.path.isdir(os.path.join(r, "checkpoints"))]
+    return max(runs, key=os.path.getmtime) if runs else None
+
+
+def make_config(args: argparse.Namespace) -> GRPOConfig:
+    """Defaults, then the YAML file (or the resumed run's saved config), then the flags."""
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig)}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    config_file = args.config
+    if args.resume:
+        overrides.setdefault("output_dir", _latest_run())
+        if overrides["output_dir"] is None:
+            raise FileNotFoundError("--resume needs --output DIR (no run with checkpoints found in runs/)")
+        saved = os.path.join(overrides["output_dir"], "config.yaml")
+        if config_file is None and os.path.isfile(saved):
+            config_file = saved
+    if config_file is not None:
+        return GRPOConfig.from_yaml(config_file, **overrides)
+    return GRPOConfig.from_dict(overrides)
+
+
+def train(args: argparse.Namespace) -> int:
+    import torch
+
+    from grpo_fast.trainer import GRPOTrainer
+
+    config = make_config(args)
+    if config.model is None and not torch.cuda.is_available():
+        # The demo's matrices are 64 wide: one thread beats two that synchronise every op.
+        torch.set_num_threads(1)
+    trainer = GRPOTrainer(config)
+    if args.resume:
+        step = trainer.resume()
+        print(f"resumed {trainer.output_dir} at step {step}", file=sys.stderr)
+    trainer.train()
+    print(trainer.summary)
+    return 0
+
+
+def main(argv=None) -> int:
+    from grpo_fast.trainer.checkpoint import CheckpointError
+    from grpo_fast.trainer.rollout import RewardError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return train(args)
+    except (ValueError, FileNotFoundError, CheckpointError, RewardError) as exc:
+        print(f"grpo-fast: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
