@@ -152,6 +152,15 @@ def test_huge_print_is_cut_at_the_output_limit(sandbox_mode):
     assert len(result.stdout) <= LIMITS.output_bytes
 
 
+@pytest.mark.skipif(not ROOT, reason="the size-capped scratch tmpfs needs full isolation")
+def test_disk_filling_stops_at_the_scratch_size():
+    limits = SandboxLimits(wall_time_s=2.0, output_bytes=1 << 20, scratch_bytes=8 << 20)
+    code = "written = 0\ntry:\n    for i in range(64):\n        open(f'f{i}', 'wb').write(bytes(1 << 20))\n" \
+           "        written += 1\nexcept OSError:\n    pass\n"
+    assert score(code, ["assert written == 64"], limits) == 0.0
+    assert score(code, ["assert 4 <= written < 8"], limits) == 1.0
+
+
 @pytest.mark.skipif(not ROOT, reason="without root the program has the caller's file permissions")
 def test_files_outside_the_scratch_dir_are_untouched(tmp_path):
     keep, victim, created = tmp_path / "keep.txt", tmp_path / "delete_me.txt", tmp_path / "created.txt"

@@ -8,8 +8,9 @@ It runs with the caller's privileges (root for full isolation) and
      rlimits, a Python-level socket block and killing every descendant it can find as their
      child subreaper, see SECURITY.md);
   2. forks the child, which becomes PID 1 of the new PID namespace. The child mounts a
-     fresh /proc, binds the scratch dir over every world-writable dir (/tmp first among
-     them), makes the interpreter reachable for the sandbox uid, sets the resource limits,
+     fresh /proc, makes the interpreter reachable for the sandbox uid, mounts a
+     size-capped tmpfs scratch dir (with the input files) on /tmp and binds it over every
+     other world-writable dir, sets the resource limits,
      drops to the sandbox uid with no_new_privs, and execs `python -I -c PROGRAM`;
   3. waits for the child under the wall-clock limit and SIGKILLs it at the deadline. When
      PID 1 of a namespace dies the kernel kills every other process in it, and waitpid on
@@ -33,7 +34,7 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 # Every directory a non-root user can write on a stock Linux image.
-WORLD_WRITABLE_DIRS = ("/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue", "/tmp")
+WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue")
 SETUP_FAILED = 121
 
 # Prepended to the program when no network namespace could be made (not root). A Python
@@ -88,12 +89,23 @@ def _isolate_filesystem(cfg: dict) -> None:
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # shows only this namespace
     _expose_interpreter(cfg["prefix"], cfg["workdir"])
-    scratch_fd = os.open(cfg["scratch"], os.O_RDONLY | os.O_DIRECTORY)
+    # The scratch dir becomes a size-capped tmpfs at /tmp holding copies of the input files:
+    # the program's writes are bounded in total and never reach the host's disk.
+    files = {}
+    for name in os.listdir(cfg["scratch"]):
+        with open(os.path.join(cfg["scratch"], name), "rb") as f:
+            files[name] = f.read()
+    uid = cfg["uid"]
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={cfg['limits']['scratch_bytes']},mode=0700,uid={uid},gid={uid}")
+    for name, data in files.items():
+        path = os.path.join("/tmp", name)
+        with open(path, "wb") as f:
+            f.write(data)
+        os.chown(path, uid, uid)
     for path in WORLD_WRITABLE_DIRS:
-        if os.path.isdir(path) and not os.path.islink(path):
-            # /proc/self/fd/N names the scratch dir even after /tmp (its parent) is covered.
-            _mount(f"/proc/self/fd/{scratch_fd}", path, None, MS_BIND)
-    os.close(scratch_fd)
+        if path != "/tmp" and os.path.isdir(path) and not os.path.islink(path):
+            _mount("/tmp", path, None, MS_BIND)
     os.chdir("/tmp")
 
 

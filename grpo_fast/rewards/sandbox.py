@@ -42,6 +42,7 @@ class SandboxLimits:
     max_processes: processes and threads of the sandbox uid (RLIMIT_NPROC).
     output_bytes:  largest stdout, stderr or file it may write (RLIMIT_FSIZE: writes beyond fail).
     open_files:    file descriptors per process (RLIMIT_NOFILE).
+    scratch_bytes: total size of the scratch dir, a tmpfs (full isolation only).
     """
 
     wall_time_s: float = 4.0
@@ -50,6 +51,7 @@ class SandboxLimits:
     max_processes: int = 32
     output_bytes: int = 1 << 20
     open_files: int = 64
+    scratch_bytes: int = 64 << 20
 
     def __post_init__(self):
         for name, value in asdict(self).items():
@@ -79,7 +81,7 @@ def run_python(program: str, *, files: dict[str, str] | None = None, stdin: str 
                args: tuple[str, ...] = (), limits: SandboxLimits | None = None) -> SandboxResult:
     """Run `python -I -c program *args` in the sandbox and wait for it.
 
-    program: Python source, run with an empty scratch directory as cwd (also visible as /tmp).
+    program: Python source, run with a fresh scratch directory as cwd (/tmp in full isolation).
     files:   {relative name: text} written into the scratch directory first.
     stdin:   text fed to the program's stdin.
     Thread-safe: concurrent calls run in parallel, each under its own uid.
