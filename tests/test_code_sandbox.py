@@ -271,3 +271,17 @@ def test_bad_arguments_raise():
         code_reward(["p"], ["x = 1"], tests=[["assert x", {"input": "1", "output": "1"}]])
     with pytest.raises(TypeError, match="program"):
         run_python(b"print(1)")
+
+
+def test_a_sandbox_that_cannot_start_is_an_error_not_a_zero(tmp_path, monkeypatch):
+    from grpo_fast.rewards import sandbox
+
+    broken = tmp_path / "boot.py"
+    broken.write_text("import sys\nsys.exit('cannot unshare')\n")
+    monkeypatch.setattr(sandbox, "_BOOT", str(broken))
+    with pytest.raises(RuntimeError, match="could not start.*cannot unshare"):
+        score("x = 1\n", ["assert x == 1"])
+    if ROOT:
+        monkeypatch.setattr(sandbox, "UID_BASE", 2**32 - 1)  # (uid_t)-1 would keep root
+        with pytest.raises(ValueError, match="uid"):
+            run_python("print(1)")

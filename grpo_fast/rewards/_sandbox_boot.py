@@ -134,6 +134,8 @@ def _child(cfg: dict, isolated: bool) -> None:
         os.setgroups([])
         os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
         os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+        if os.getresuid() != (cfg["uid"],) * 3 or os.getresgid() != (cfg["uid"],) * 3:
+            raise OSError(f"could not drop privileges to uid {cfg['uid']}")
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")  # no setuid binaries
     # Set after the uid change, which clears it: the child dies with this bootstrap.
     _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")

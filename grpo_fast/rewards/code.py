@@ -63,19 +63,27 @@ def _same_output(got: str, expected: str) -> bool:
     return lines(got) == lines(expected)
 
 
+def _checked(result):
+    """A sandbox that cannot start programs is a setup problem, not a wrong answer: say so."""
+    if result.error is not None:
+        raise RuntimeError(f"the code sandbox could not start the program: {result.error}")
+    return result
+
+
 def _run_job(job, limits: SandboxLimits) -> float:
     """One sandboxed run; returns the number of tests it passed."""
     mode, code, payload = job
     if mode == "assert":
         nonce = secrets.token_hex(16)
-        result = run_python(_HARNESS, files={"solution.py": code, "tests.json": json.dumps(payload)},
-                            args=("assert", nonce), limits=limits)
-        if result.timed_out or result.error:
+        result = _checked(run_python(_HARNESS, files={"solution.py": code, "tests.json": json.dumps(payload)},
+                                     args=("assert", nonce), limits=limits))
+        if result.timed_out:
             return 0
         reports = re.findall(rf"^{nonce} (\d+)$", result.stdout, re.MULTILINE)
         return min(int(reports[-1]), len(payload)) if reports else 0
     test_input, expected = payload
-    result = run_python(_HARNESS, files={"solution.py": code}, stdin=test_input, args=("io", ""), limits=limits)
+    result = _checked(run_python(_HARNESS, files={"solution.py": code}, stdin=test_input, args=("io", ""),
+                                 limits=limits))
     return float(result.ok and _same_output(result.stdout, expected))
 
 

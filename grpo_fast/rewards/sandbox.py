@@ -95,7 +95,10 @@ def run_python(program: str, *, files: dict[str, str] | None = None, stdin: str 
     # uid change) so that tests can exercise that fallback as root.
     privileged = os.geteuid() == 0 and os.environ.get("GRPO_FAST_SANDBOX_UNPRIVILEGED") != "1"
     with _uid_slot() as slot:
-        return _run(program, files or {}, stdin, args, limits, UID_BASE + slot if privileged else None)
+        uid = UID_BASE + slot
+        if privileged and not 0 < uid < 2**32 - 1:  # (uid_t)-1 would mean "keep root"
+            raise ValueError(f"GRPO_FAST_SANDBOX_UID_BASE + slot must be a uid in [1, 2**32 - 2], got {uid}")
+        return _run(program, files or {}, stdin, args, limits, uid if privileged else None)
 
 
 @contextmanager
