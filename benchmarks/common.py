@@ -1,84 +1,19 @@
-"""Measurement helpers shared by the CPU benchmarks: timing quantiles and peak memory.
+"""Measurement helpers shared by the benchmark scripts; they live in ``grpo_fast.bench.measure``
+so that the ``grpo-fast bench`` commands of an installed package use the same code.
 
 Peak memory on CPU is the growth of the peak resident set of a fresh process that runs
 one configuration (DESIGN.md): ``run_isolated`` starts ``python SCRIPT --worker JSON``,
 and the worker reports ``peak_rss_growth`` around its first call.
 """
 
-import json
-import os
-import platform
-import resource
-import statistics
-import subprocess
 import sys
-import time
 
+from grpo_fast.bench import measure
+from grpo_fast.bench.measure import current_rss_bytes, machine_info, peak_rss_growth, print_table, quantiles, time_fn
 
-def quantiles(samples):
-    """Median, 20% and 80% quantiles of a list of seconds."""
-    q = statistics.quantiles(samples, n=5, method="inclusive") if len(samples) > 1 else samples * 4
-    return {"median_s": statistics.median(samples), "p20_s": q[0], "p80_s": q[3], "repeats": len(samples)}
-
-
-def time_fn(fn, *, warmup: int = 1, repeats: int = 5, setup=None):
-    """Calls ``fn`` ``warmup`` times, then times ``repeats`` calls (``setup`` runs untimed before each)."""
-    setup = setup or (lambda: None)
-    for _ in range(warmup):
-        setup()
-        fn()
-    samples = []
-    for _ in range(repeats):
-        setup()
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return quantiles(samples)
-
-
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_growth(fn) -> int:
-    """Bytes by which the process's peak RSS rises above its current RSS while ``fn`` runs."""
-    before = current_rss_bytes()
-    fn()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return max(0, peak - before)
+__all__ = ["current_rss_bytes", "machine_info", "peak_rss_growth", "print_table", "quantiles", "run_isolated", "time_fn"]
 
 
 def run_isolated(script: str, config: dict, timeout: float = 1800) -> dict:
-    """Runs one configuration in a fresh interpreter and returns the JSON it prints last."""
-    proc = subprocess.run(
-        [sys.executable, script, "--worker", json.dumps(config)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def machine_info() -> dict:
-    import torch
-
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-
-
-def print_table(rows, columns):
-    """Prints a Markdown table of dicts (missing values as '-')."""
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "|".join("---" for _ in columns) + "|")
-    for row in rows:
-        print("| " + " | ".join(str(row.get(c, "-")) for c in columns) + " |")
+    """Runs one configuration of ``script`` in a fresh interpreter and returns the JSON it prints last."""
+    return measure.run_isolated([sys.executable, script], config, timeout)

@@ -1,0 +1,86 @@
+"""Measurement helpers shared by the benchmarks: timing quantiles and peak memory.
+
+Peak memory on CPU is the growth of the peak resident set of a fresh process that runs
+one configuration (DESIGN.md): ``run_isolated`` starts ``ARGV --worker JSON``, and the
+worker reports ``peak_rss_growth`` around what it measures.
+"""
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import time
+
+
+def quantiles(samples):
+    """Median, 20% and 80% quantiles of a list of seconds."""
+    q = statistics.quantiles(samples, n=5, method="inclusive") if len(samples) > 1 else samples * 4
+    return {"median_s": statistics.median(samples), "p20_s": q[0], "p80_s": q[3], "repeats": len(samples)}
+
+
+def time_fn(fn, *, warmup: int = 1, repeats: int = 5, setup=None):
+    """Calls ``fn`` ``warmup`` times, then times ``repeats`` calls (``setup`` runs untimed before each)."""
+    setup = setup or (lambda: None)
+    for _ in range(warmup):
+        setup()
+        fn()
+    samples = []
+    for _ in range(repeats):
+        setup()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return quantiles(samples)
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set so far (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_rss_growth(fn) -> int:
+    """Bytes by which the process's peak RSS rises above its current RSS while ``fn`` runs."""
+    before = current_rss_bytes()
+    fn()
+    return max(0, peak_rss_bytes() - before)
+
+
+def run_isolated(argv: list, config: dict, timeout: float = 1800) -> dict:
+    """Runs ``argv + ["--worker", JSON]`` in a fresh interpreter; returns the JSON it prints last,
+    or ``{"error": last line of stderr}``."""
+    proc = subprocess.run([*argv, "--worker", json.dumps(config)], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def print_table(rows, columns):
+    """Prints a Markdown table of dicts (missing values as '-')."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("---" for _ in columns) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(row.get(c, "-")) for c in columns) + " |")

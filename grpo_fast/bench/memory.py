@@ -1,0 +1,426 @@
+"""What PPO's critic costs: peak memory and time of one training step, PPO against GRPO.
+
+Each configuration runs one full training step of the trainer itself (everything after
+sampling: reference log-probs when beta != 0, the critic's values and GAE for PPO, group
+advantages for GRPO, forward, loss, backward, gradient clipping, AdamW step) on the same
+synthetic rollout batch, in its own fresh process:
+
+    ppo                policy + value model (PPOTrainer; fused ops on the policy side)
+    grpo_eager         GRPOTrainer with the reference loss on full logits (GRPO_FAST_BACKEND=reference)
+    grpo_fused         GRPOTrainer with grpo_fast.grpo_loss
+    grpo_fused_linear  GRPOTrainer with grpo_fast.fused_linear_grpo_loss (no [B, T, V] logits)
+
+Peak memory is measured, not estimated: on CUDA ``torch.cuda.max_memory_allocated`` of the
+first step, on CPU the growth of the process's peak resident set from just before the model
+is built, so parameters, gradients and optimizer states are inside it. The analytic columns
+beside it are the exact sizes of those states and of the logits tensor; ``rest`` is what
+remains (activations, logits and temporaries). Step time is the median of ``repeats`` further
+steps.
+
+    grpo-fast bench memory --preset 100m --json memory.json --plot memory.png
+    grpo-fast bench memory --model ./my-llama --batch 16
+    python -m grpo_fast.bench.memory --preset tiny
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+CONFIGS = ("ppo", "grpo_eager", "grpo_fused", "grpo_fused_linear")
+
+# Model shapes (Llama-style, tied embeddings) and the rollout batch of each preset. ``100m``
+# is sized so that a CPU step takes seconds and the model's states are most of the memory,
+# as they are when a real run micro-batches a large model.
+PRESETS = {
+    "tiny": dict(
+        model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, vocab_size=1024),
+        batch=8, prompt_length=8, completion_length=16,
+    ),
+    "100m": dict(
+        model=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=10, num_attention_heads=12,
+                   num_key_value_heads=12, vocab_size=32000),
+        batch=8, prompt_length=32, completion_length=96,
+    ),
+    "1b": dict(  # TinyLlama-1.1B's shape; for a GPU (about 40 GB for PPO)
+        model=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                   num_key_value_heads=4, vocab_size=32000),
+        batch=16, prompt_length=256, completion_length=512,
+    ),
+}  # fmt: skip
+_TOKENIZER_NOT_USED = object()  # the trainers need a tokenizer only to sample and to save
+
+
+def preset_settings(preset: str) -> dict:
+    """A copy of ``PRESETS[preset]``; an unknown name is a ValueError listing the known ones."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return json.loads(json.dumps(PRESETS[preset]))
+
+
+def check_causal_lm(path: str) -> None:
+    """Raises ValueError unless ``path`` is a local folder holding a causal-LM config."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model path {path!r} is not a model folder with a config.json (nothing is downloaded)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    architectures = config.architectures or []
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
+        architectures and not causal.intersection(architectures)
+    ):
+        raise ValueError(
+            f"model path {path!r} is not a causal LM (model_type {config.model_type!r}, "
+            f"architectures {architectures}): the benchmark trains a policy that predicts next tokens"
+        )
+
+
+# ---------------------------------------------------------------- the worker (one fresh process)
+def _synthetic_batch(N: int, P: int, C: int, V: int, device):
+    """A fixed rollout: prompts of P tokens, completions of C // 2..C tokens, rewards in {0, 1}."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, V, (N, P + C), generator=g)
+    lengths = torch.randint(C // 2 + 1, C + 1, (N, 1), generator=g)
+    completion_mask = (torch.arange(C).unsqueeze(0) < lengths).float()  # [N, C]
+    attention_mask = torch.cat([torch.ones(N, P, dtype=torch.long), completion_mask.long()], dim=1)
+    rewards = torch.randint(0, 2, (N, 1), generator=g).float()  # [N, K=1]
+    return dict(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        completion_mask=completion_mask.to(device),
+        rewards=rewards.to(device),
+    )
+
+
+def _fixed_rollout_trainer(base):
+    """``base`` (GRPOTrainer or PPOTrainer) whose rollout is ``self.fixed_batch`` instead of
+    sampling: the rest of the rollout (advantages, old and reference log-probs) runs as usual."""
+    from grpo_fast import group_advantages
+    from grpo_fast.trainer.rollout import Rollout, completion_logprobs, reference_context
+
+    class FixedRolloutTrainer(base):
+        fixed_batch: dict
+
+        def make_rollout(self) -> Rollout:
+            config, batch = self.config, self.fixed_batch
+            N, C = batch["completion_mask"].shape
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            options = dict(temperature=config.temperature, micro_batch_size=config.micro_batch_size, bf16=self.bf16)
+            old = completion_logprobs(self.policy, ids, mask, C, **options) if config.num_iterations > 1 else None
+            ref = None
+            if self.reference is not None:
+                with reference_context(self.policy, self.reference):
+                    ref = completion_logprobs(self.reference, ids, mask, C, **options)
+            return Rollout(
+                prompts=[""] * N,
+                completions=[""] * N,
+                columns={},
+                input_ids=ids,
+                attention_mask=mask,
+                completion_mask=batch["completion_mask"],
+                rewards=batch["rewards"],
+                advantages=group_advantages(batch["rewards"], config.group_size, scale=config.advantage_scale),
+                old_logprobs=old,
+                ref_logprobs=ref,
+            )
+
+    return FixedRolloutTrainer
+
+
+def _build_policy(spec: dict):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if spec.get("model_path"):
+        return AutoModelForCausalLM.from_pretrained(spec["model_path"], local_files_only=True, dtype=torch.float32)
+    length = spec["prompt_length"] + spec["completion_length"]
+    config = LlamaConfig(**spec["model"], max_position_embeddings=length, tie_word_embeddings=True)
+    return LlamaForCausalLM(config)
+
+
+def _state_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def worker(spec: dict) -> dict:
+    """One configuration's first step (peak memory) and ``repeats`` more (time); runs in a fresh process."""
+    if spec["config"] == "grpo_eager":
+        os.environ["GRPO_FAST_BACKEND"] = "reference"
+    import torch
+
+    from grpo_fast.bench.measure import current_rss_bytes, peak_rss_bytes, time_fn
+    from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+    from grpo_fast.trainer.ppo import PPOConfig, PPOTrainer
+
+    name = spec["config"]
+    torch.manual_seed(0)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec["device"] == "auto" else spec["device"])
+    cuda = device.type == "cuda"
+    baseline = torch.cuda.memory_allocated(device) if cuda else current_rss_bytes()
+
+    policy = _build_policy(spec)
+    N, P, C = spec["batch"], spec["prompt_length"], spec["completion_length"]
+    V = policy.get_output_embeddings().weight.shape[0]
+    options = dict(
+        batch_size=N,
+        group_size=spec["group_size"],
+        max_new_tokens=C,
+        beta=spec["beta"],
+        micro_batch_size=spec["micro_batch"],
+        fused_linear=name == "grpo_fused_linear",
+        warmup_steps=0,
+        device=str(device),
+        progress=False,
+    )
+    config_cls, trainer_cls = (PPOConfig, PPOTrainer) if name == "ppo" else (GRPOConfig, GRPOTrainer)
+    trainer = _fixed_rollout_trainer(trainer_cls)(
+        config_cls(**options), model=policy, tokenizer=_TOKENIZER_NOT_USED, rows=[{"prompt": ""}]
+    )
+    trainer.fixed_batch = _synthetic_batch(N, P, C, V, device)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer.train_step()
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device) - baseline
+    else:
+        peak = peak_rss_bytes() - baseline
+    timing = time_fn(trainer.train_step, warmup=0, repeats=spec["repeats"])
+
+    trainable = [p for p in trainer.policy.parameters() if p.requires_grad]
+    held = list(trainer.policy.parameters())
+    optimizers = [trainer.optimizer]
+    if name == "ppo":
+        trainable += list(trainer.value_model.parameters())
+        held += list(trainer.value_model.parameters())
+        optimizers.append(trainer.value_optimizer)
+    if trainer.reference is not None and trainer.reference is not trainer.policy:
+        held += list(trainer.reference.parameters())
+    optimizer_states = [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+    micro = spec["micro_batch"] or N
+    logits_dtype = torch.bfloat16 if trainer.bf16 else torch.float32
+    logits = 0 if name == "grpo_fused_linear" else micro * (C + 1) * V * logits_dtype.itemsize
+    states = dict(
+        params_bytes=_state_bytes({id(p): p for p in held}.values()),  # tied weights once
+        grads_bytes=_state_bytes({id(p): p for p in trainable}.values()),
+        optimizer_bytes=_state_bytes(optimizer_states),
+    )
+    return dict(
+        peak_bytes=int(peak),
+        step_s=timing["median_s"],
+        step_p20_s=timing["p20_s"],
+        step_p80_s=timing["p80_s"],
+        **states,
+        logits_bytes=logits,
+        rest_bytes=int(peak) - sum(states.values()),
+        num_params=sum(p.numel() for p in {id(p): p for p in trainer.policy.parameters()}.values()),
+        device=device.type,
+    )
+
+
+# ---------------------------------------------------------------- the driver
+def run_memory_benchmark(
+    *,
+    preset: str = "100m",
+    model: Optional[str] = None,
+    batch: Optional[int] = None,
+    prompt_length: Optional[int] = None,
+    completion_length: Optional[int] = None,
+    micro_batch: Optional[int] = None,
+    group_size: int = 4,
+    beta: float = 0.0,
+    configs=None,
+    repeats: int = 2,
+    device: str = "auto",
+    json_path: Optional[str] = None,
+    plot_path: Optional[str] = None,
+    echo=print,
+) -> dict:
+    """Runs each configuration in a fresh process; returns ``{config: {"peak_bytes", "step_s", ...},
+    "meta": {...}}`` and writes it to ``json_path`` and a bar chart to ``plot_path`` when given.
+
+    ``model`` (a local causal-LM folder) replaces the preset's model; the preset still gives
+    the batch shape unless ``batch``, ``prompt_length`` or ``completion_length`` override it.
+    """
+    from grpo_fast.bench.measure import machine_info, run_isolated
+
+    settings = preset_settings(preset)
+    if model is not None:
+        check_causal_lm(model)
+    configs = list(CONFIGS if configs is None else configs)
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
+    for key, value in (("batch", batch), ("prompt_length", prompt_length), ("completion_length", completion_length)):
+        if value is not None:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be an int >= 1, got {value!r}")
+            settings[key] = value
+    if settings["batch"] % group_size:
+        raise ValueError(f"batch={settings['batch']} must be divisible by group_size={group_size}")
+    if micro_batch is not None and not 1 <= micro_batch <= settings["batch"]:
+        raise ValueError(f"micro_batch must be in [1, batch={settings['batch']}], got {micro_batch!r}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+
+    import grpo_fast
+
+    spec = dict(settings, model_path=model, preset=preset, micro_batch=micro_batch, group_size=group_size,
+                beta=beta, repeats=repeats, device=device)  # fmt: skip
+    results = {}
+    for name in configs:
+        if name == "grpo_fused_linear" and not hasattr(grpo_fast, "fused_linear_grpo_loss"):
+            results[name] = {"error": "grpo_fast.fused_linear_grpo_loss is not available in this install"}
+        else:
+            results[name] = run_isolated([sys.executable, "-m", "grpo_fast.bench.memory"], dict(spec, config=name))
+        echo(f"{name}: {results[name]}")
+    results["meta"] = dict(settings=spec, machine=machine_info(), ratios=_ratios(results))
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+    if plot_path:
+        plot_results(results, plot_path)
+    return results
+
+
+def _ratios(results: dict) -> dict:
+    """Peak of each configuration over PPO's, and grpo_fused over grpo_eager, when both ran."""
+
+    def peak(name):
+        return results.get(name, {}).get("peak_bytes")
+
+    ratios = {f"{name}/ppo": peak(name) / peak("ppo") for name in CONFIGS[1:] if peak(name) and peak("ppo")}
+    if peak("grpo_fused") and peak("grpo_eager"):
+        ratios["grpo_fused/grpo_eager"] = peak("grpo_fused") / peak("grpo_eager")
+    return ratios
+
+
+def table_rows(results: dict) -> list:
+    """One row of formatted columns per configuration (MB = 2**20 bytes)."""
+
+    def mb(x):
+        return f"{x / 2**20:.0f}"
+
+    ppo = results.get("ppo", {}).get("peak_bytes")
+    rows = []
+    for name in CONFIGS:
+        res = results.get(name)
+        if res is None:
+            continue
+        if "error" in res:
+            rows.append({"config": name, "peak MB": f"error: {res['error']}"})
+            continue
+        rows.append({
+            "config": name,
+            "peak MB": mb(res["peak_bytes"]),
+            "x ppo": f"{res['peak_bytes'] / ppo:.2f}" if ppo else "-",
+            "step s": f"{res['step_s']:.2f}",
+            "params MB": mb(res["params_bytes"]),
+            "grads MB": mb(res["grads_bytes"]),
+            "optimizer MB": mb(res["optimizer_bytes"]),
+            "logits MB": mb(res["logits_bytes"]),
+            "rest MB": mb(res["rest_bytes"]),
+        })  # fmt: skip
+    return rows
+
+
+TABLE_COLUMNS = ["config", "peak MB", "x ppo", "step s", "params MB", "grads MB", "optimizer MB", "logits MB", "rest MB"]
+
+
+def plot_results(results: dict, path: str) -> None:
+    """Stacked bars of the measured peak: parameters, gradients, optimizer states, the rest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in CONFIGS if n in results and "error" not in results[n]]
+    parts = [("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer states"),
+             ("rest_bytes", "activations, logits, temporaries")]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(names)
+    for key, label in parts:
+        heights = [max(results[n][key], 0) / 2**20 for n in names]
+        ax.bar(names, heights, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for i, n in enumerate(names):
+        res = results[n]
+        ax.annotate(f"{res['peak_bytes'] / 2**20:.0f} MB\n{res['step_s']:.2f} s/step", (i, bottom[i]),
+                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+    settings = results["meta"]["settings"]
+    model = settings["model_path"] or f"preset {settings['preset']}"
+    ax.set_title(f"peak memory of one training step ({model}, {results[names[0]]['device'] if names else ''})\n"
+                 f"batch {settings['batch']} x ({settings['prompt_length']} + {settings['completion_length']}) "
+                 f"tokens, beta {settings['beta']}", fontsize=9)  # fmt: skip
+    ax.set_ylabel("MB (measured peak)")
+    ax.set_ylim(0, max(bottom, default=1) * 1.45)  # headroom for the labels and the legend
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``grpo-fast bench memory``."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", default="100m", help=f"model and batch shape: {', '.join(PRESETS)} (default 100m)")
+    source.add_argument("--model", help="a local causal-LM folder (from_pretrained); the batch shape is the 100m preset's")
+    parser.add_argument("--batch", type=int, help="sequences per step (default: the preset's)")
+    parser.add_argument("--prompt-length", type=int, help="prompt tokens per sequence (default: the preset's)")
+    parser.add_argument("--completion-length", type=int, help="completion tokens per sequence (default: the preset's)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: the whole batch)")
+    parser.add_argument("--group-size", type=int, default=4, help="G, completions per prompt (default 4)")
+    parser.add_argument("--beta", type=float, default=0.0, help="KL weight; > 0 adds a frozen reference model (default 0)")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), help=f"subset of {' '.join(CONFIGS)}")
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps after the measured one (default 2)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write a bar chart (PNG) here")
+
+
+def command(args: argparse.Namespace) -> int:
+    """Runs the benchmark from parsed arguments, prints the table; 0 on success, 1 if a configuration
+    failed, 2 on bad input."""
+    from grpo_fast.bench.measure import print_table
+
+    try:
+        results = run_memory_benchmark(
+            preset=args.preset, model=args.model, batch=args.batch, prompt_length=args.prompt_length,
+            completion_length=args.completion_length, micro_batch=args.micro_batch, group_size=args.group_size,
+            beta=args.beta, configs=args.configs, repeats=args.repeats, device=args.device, json_path=args.json,
+            plot_path=args.plot, echo=lambda line: print(line, file=sys.stderr),
+        )  # fmt: skip
+    except ValueError as exc:
+        print(f"grpo-fast bench memory: error: {exc}", file=sys.stderr)
+        return 2
+    print_table(table_rows(results), TABLE_COLUMNS)
+    for key, value in results["meta"]["ratios"].items():
+        print(f"peak {key}: {value:.3f}")
+    for path in (args.json, args.plot):
+        if path:
+            print(f"wrote {path}")
+    return 1 if any("error" in results[n] for n in CONFIGS if n in results) else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+    return command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
