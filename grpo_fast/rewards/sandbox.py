@@ -79,7 +79,10 @@ class SandboxResult:
 
 def run_python(program: str, *, files: dict[str, str] | None = None, stdin: str = "",
                args: tuple[str, ...] = (), limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run `python -I -c program *args` in the sandbox and wait for it.
+    """Run `python -I -S -c program *args` in the sandbox and wait for it.
+
+    Installed packages are importable (site-packages is on sys.path), but `.pth` hooks do
+    not run, so editable installs are not.
 
     program: Python source, run with a fresh scratch directory as cwd (/tmp in full isolation).
     files:   {relative name: text} written into the scratch directory first.
