@@ -235,6 +235,32 @@ class GRPOTrainer:
             logits = completion_logits(self.policy, ids, mask, C)
             return grpo_loss(logits, *args, return_entropy=True, **options)
 
+    def accumulate_gradients(self, batch: Rollout, num_items: torch.Tensor) -> dict:
+        """Backward over ``batch`` in micro-batches; the summed gradient is the full batch's.
+
+        Returns the loss and the token-weighted means of the loss metrics over the batch.
+        """
+        config = self.config
+        N = batch.input_ids.shape[0]
+        micro = config.micro_batch_size or N
+        sums = dict(loss=0.0, kl=0.0, clip_ratio_low=0.0, clip_ratio_high=0.0, clip_ratio_region=0.0, entropy=0.0)
+        for i in range(0, N, micro):
+            rows = slice(i, min(i + micro, N))
+            share = (batch.completion_mask[rows].sum() / num_items.clamp(min=1)).item()
+            out = self._loss(batch, rows, num_items)
+            if config.loss_type in _PER_SEQUENCE:
+                weight = (rows.stop - rows.start) / N
+            elif config.loss_type == "bnpo":
+                weight = share
+            else:  # dapo, cispo: already divided by the whole batch's token count
+                weight = 1.0
+            (out.loss * weight).backward()
+            sums["loss"] += out.loss.item() * weight
+            for key in ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy"):
+                value = getattr(out, key)
+                sums[key] = None if value is None or sums[key] is None else sums[key] + value.item() * share
+        return sums
+
     def train_step(self) -> dict:
         """One GRPO step: rollout, num_iterations optimizer steps, metrics."""
         config = self.config
@@ -242,34 +268,17 @@ class GRPOTrainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         batch = self.make_rollout()
-        N = batch.input_ids.shape[0]
-        micro = config.micro_batch_size or N
         num_items = batch.completion_mask.sum()  # active tokens of the whole batch (dapo/cispo/bnpo)
-        sums = dict(loss=0.0, kl=0.0, clip_ratio_low=0.0, clip_ratio_high=0.0, clip_ratio_region=0.0, entropy=0.0)
-        grad_norm = 0.0
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
+        passes = []
         for _ in range(config.num_iterations):
-            for i in range(0, N, micro):
-                rows = slice(i, min(i + micro, N))
-                tokens = batch.completion_mask[rows].sum()
-                out = self._loss(batch, rows, num_items)
-                if config.loss_type in _PER_SEQUENCE:
-                    weight = (rows.stop - rows.start) / N
-                elif config.loss_type == "bnpo":
-                    weight = (tokens / num_items.clamp(min=1)).item()
-                else:  # dapo, cispo: already divided by the whole batch's token count
-                    weight = 1.0
-                (out.loss * weight).backward()
-                share = (tokens / num_items.clamp(min=1)).item() / config.num_iterations
-                sums["loss"] += out.loss.item() * weight / config.num_iterations
-                for key in ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy"):
-                    value = getattr(out, key)
-                    sums[key] = None if value is None or sums[key] is None else sums[key] + value.item() * share
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+            sums = self.accumulate_gradients(batch, num_items)
+            sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            passes.append(sums)
         self.step += 1
         elapsed = time.perf_counter() - start
 
@@ -279,12 +288,15 @@ class GRPOTrainer:
             reward_mean=combined.mean().item(),
             reward_std=combined.std().item(),
             frac_reward_zero_std=batch.advantages.frac_zero_std.item(),
-            **sums,
+        )
+        for key in passes[0]:  # loss metrics and grad norm: the mean over the num_iterations passes
+            values = [p[key] for p in passes]
+            metrics[key] = None if None in values else sum(values) / len(values)
+        metrics.update(
             completion_len_mean=batch.completion_mask.sum(1).mean().item(),
             tokens_per_s=batch.attention_mask.sum().item() / elapsed,
             step_time_s=elapsed,
             peak_mem_bytes=self._peak_memory(),
-            grad_norm=grad_norm,
             learning_rate=self.scheduler.get_last_lr()[0],
         )
         for k, name in enumerate(self.reward_names):

@@ -1,0 +1,270 @@
+"""The trainer: rollout bookkeeping, micro-batch invariance, resume, --model, bad input.
+
+Runs use the demo's tiny model with a small batch (G=4, 16 completions) so each step
+takes tens of milliseconds; the full default demo run is in tests/test_cli.py.
+"""
+
+import copy
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import rel_err
+
+from grpo_fast import reference
+from grpo_fast.tasks.arithmetic import arithmetic_reward, build_model, build_tokenizer
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer, RewardError
+from grpo_fast.trainer import checkpoint as ckpt
+from grpo_fast.trainer.rollout import completion_logits, completion_logprobs, generate, score
+from grpo_fast.trainer.run_log import METRIC_KEYS, TIMING_KEYS, read_metrics
+
+SMALL = dict(batch_size=16, group_size=4, max_new_tokens=3, progress=False)
+
+
+def small_config(tmp_path, **overrides) -> GRPOConfig:
+    return GRPOConfig(**{**SMALL, "output_dir": str(tmp_path / "run"), **overrides})
+
+
+# ---------------------------------------------------------------- rollout
+
+
+def test_generate_masks_stop_at_first_eos_and_logprobs_match_sampler():
+    """Left-padded prompts of different lengths: the completion mask covers tokens up to the
+    first EOS, and the recomputed log-probs equal those of the distribution that sampled."""
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=1)
+    prompts = ["1+2=", "9+0=11+", "3+", "4+4="] * 2
+    input_ids, attention_mask, completion_mask, completions = generate(model, tokenizer, prompts, max_new_tokens=6)
+    C = completion_mask.shape[1]
+    completion_ids = input_ids[:, -C:]
+    eos = tokenizer.eos_token_id
+    for row, mask in zip(completion_ids.tolist(), completion_mask.tolist()):
+        n = int(sum(mask))
+        assert mask == [1.0] * n + [0.0] * (C - n)
+        assert eos not in row[: n - 1]  # no EOS before the last active token
+        assert n == C or row[n - 1] == eos
+    assert completions == tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+    # Truth: the same sequences, each run alone without padding, full logits, reference log-softmax.
+    logp = completion_logprobs(model, input_ids, attention_mask, C)
+    P = input_ids.shape[1] - C
+    for b in range(len(prompts)):
+        n = int(completion_mask[b].sum())
+        prompt = input_ids[b, :P][attention_mask[b, :P].bool()]
+        alone = torch.cat([prompt, completion_ids[b, :n]]).unsqueeze(0)
+        with torch.no_grad():
+            logits = model(input_ids=alone).logits[:, len(prompt) - 1 : -1]
+        truth = reference.token_logprobs(logits.double(), completion_ids[b : b + 1, :n])[0]
+        assert rel_err(logp[b, :n], truth) < 1e-5
+
+
+def test_completion_logits_keep_only_completion_positions():
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer)
+    ids = torch.randint(3, len(tokenizer), (2, 7))
+    mask = torch.ones_like(ids)
+    logits = completion_logits(model, ids, mask, 3)
+    assert logits.shape == (2, 3, len(tokenizer))
+    full = model(input_ids=ids).logits[:, 3:6]
+    assert rel_err(logits, full) < 1e-5
+
+
+def test_reward_error_names_function_and_sample():
+    def picky_reward(prompts, completions, **columns):
+        return [1.0 / len(c) for c in completions]  # raises on the empty completion
+
+    with pytest.raises(RewardError, match=r"'picky_reward'.*ZeroDivisionError.*sample 2 \(prompt='c'"):
+        score([picky_reward], ["a", "b", "c"], ["x", "yy", ""], {})
+    with pytest.raises(RewardError, match="returned 1 scores for 2 completions"):
+        score([lambda p, c, **k: [0.0]], ["a", "b"], ["x", "y"], {})
+
+
+def test_score_none_is_nan_and_extra_columns_reach_the_function():
+    def graded_only(prompts, completions, answer, graded, **columns):
+        return [float(c == a) if g else None for c, a, g in zip(completions, answer, graded)]
+
+    columns = {"answer": ["2", "2", "2"], "graded": [True, False, True]}
+    scores = score([graded_only, arithmetic_reward], ["1+1="] * 3, ["2", "2", "x"], columns)
+    assert scores.shape == (3, 2)
+    assert scores[0].tolist() == [1.0, 1.0] and torch.isnan(scores[1, 0]) and scores[2].tolist() == [0.0, 0.0]
+
+
+# ---------------------------------------------------------------- the update
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_micro_batches_give_the_full_batch_gradient(tmp_path, loss_type):
+    """Gradient accumulation over micro-batches of 3 (uneven) equals one full-batch backward."""
+    trainer = GRPOTrainer(small_config(tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2))
+    batch = trainer.make_rollout()
+    assert batch.old_logprobs is not None and batch.ref_logprobs is not None
+    num_items = batch.completion_mask.sum()
+    grads = []
+    for micro in (None, 3):
+        trainer.config.micro_batch_size = micro
+        metrics = trainer.accumulate_gradients(batch, num_items)
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
+        trainer.optimizer.zero_grad(set_to_none=True)
+        assert all(metrics[k] is not None for k in ("loss", "kl", "entropy"))
+    assert grads[0].norm() > 0
+    assert rel_err(grads[1], grads[0]) < 1e-5
+
+
+def test_reference_is_none_copy_or_lora_without_adapters(tmp_path):
+    assert GRPOTrainer(small_config(tmp_path, beta=0.0)).reference is None
+    trainer = GRPOTrainer(small_config(tmp_path, beta=0.1))
+    assert trainer.reference is not trainer.policy
+    assert not any(p.requires_grad for p in trainer.reference.parameters())
+
+    tokenizer = build_tokenizer()
+    base = build_model(tokenizer, seed=3)
+    frozen = copy.deepcopy(base)
+    lora = GRPOTrainer(small_config(tmp_path, beta=0.1, lora_r=4), model=base, tokenizer=tokenizer)
+    assert lora.reference is lora.policy  # no second copy of the weights
+    for _ in range(2):  # after an update the adapters are non-zero, so policy != reference
+        lora.train_step()
+    batch = lora.make_rollout()
+    C = batch.completion_mask.shape[1]
+    truth = completion_logprobs(frozen, batch.input_ids, batch.attention_mask, C)
+    policy = completion_logprobs(lora.policy, batch.input_ids, batch.attention_mask, C)
+    m = batch.completion_mask.bool()
+    assert rel_err(batch.ref_logprobs[m], truth[m]) < 1e-5
+    assert rel_err(policy[m], truth[m]) > 1e-4
+
+
+# ---------------------------------------------------------------- runs, checkpoints, resume
+
+
+def test_metrics_checkpoints_and_final_model(tmp_path):
+    trainer = GRPOTrainer(small_config(tmp_path, steps=4, save_every=2, keep_checkpoints=1))
+    history = trainer.train()
+    run = tmp_path / "run"
+    logged = read_metrics(str(run))
+    assert [m["step"] for m in logged] == [1, 2, 3, 4] and logged == json.loads(json.dumps(history))
+    for m in logged:
+        assert set(METRIC_KEYS) <= set(m)
+        assert 0.0 <= m["reward_mean"] <= 1.0 and m["completion_len_mean"] >= 1 and m["kl"] >= 0
+    assert os.listdir(run / "checkpoints") == ["step-000004.pt"]  # keep_checkpoints=1, no temp files
+    assert (run / "reward.png").stat().st_size > 0
+    reloaded = type(trainer.policy).from_pretrained(run / "final")
+    for (name, p), q in zip(trainer.policy.named_parameters(), reloaded.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    """Run 6 steps; copy the run, drop its last checkpoint (as if killed after step 4),
+    resume: steps 5 and 6 log exactly the same metrics (all but timings)."""
+    config = dict(steps=6, save_every=2, keep_checkpoints=3, lr_schedule="cosine", num_iterations=2, beta=0.05)
+    GRPOTrainer(small_config(tmp_path, **config)).train()
+    full = read_metrics(str(tmp_path / "run"))
+    shutil.copytree(tmp_path / "run", tmp_path / "cut")
+    os.remove(ckpt.checkpoint_path(str(tmp_path / "cut"), 6))
+
+    resumed = GRPOTrainer(small_config(tmp_path, output_dir=str(tmp_path / "cut"), **config))
+    assert resumed.resume() == 4
+    assert [m["step"] for m in read_metrics(str(tmp_path / "cut"))] == [1, 2, 3, 4]
+    resumed.train()
+    again = read_metrics(str(tmp_path / "cut"))
+    drop = set(TIMING_KEYS)
+    assert [{k: v for k, v in m.items() if k not in drop} for m in again] == [
+        {k: v for k, v in m.items() if k not in drop} for m in full
+    ]
+    assert len({m["reward_mean"] for m in full}) > 1  # the compared metrics do vary
+
+
+def test_corrupt_or_foreign_checkpoint_is_a_clear_error(tmp_path):
+    trainer = GRPOTrainer(small_config(tmp_path, steps=1))
+    trainer.train()
+    path = ckpt.checkpoint_path(str(tmp_path / "run"), 1)
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(ckpt.CheckpointError, match="step-000001.pt.*corrupt or unreadable"):
+        GRPOTrainer(small_config(tmp_path, steps=2)).resume()
+    torch.save({"step": 1}, path)
+    with pytest.raises(ckpt.CheckpointError, match="missing"):
+        GRPOTrainer(small_config(tmp_path, steps=2)).resume()
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        GRPOTrainer(small_config(tmp_path, output_dir=str(tmp_path / "empty"))).resume()
+
+
+def test_a_failed_checkpoint_write_leaves_no_file(tmp_path, monkeypatch):
+    trainer = GRPOTrainer(small_config(tmp_path))
+
+    def save_half(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", save_half)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save_checkpoint()
+    assert os.listdir(tmp_path / "run" / "checkpoints") == []
+
+
+def test_model_from_a_save_pretrained_folder(tmp_path):
+    tokenizer = build_tokenizer()
+    saved = build_model(tokenizer, seed=7)
+    saved.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    trainer = GRPOTrainer(small_config(tmp_path, model=str(tmp_path / "model"), steps=2))
+    for p, q in zip(trainer.policy.parameters(), saved.parameters()):
+        assert torch.equal(p, q)
+    trainer.train()
+    assert len(read_metrics(str(tmp_path / "run"))) == 2
+
+
+def test_dataset_rows_and_reward_columns(tmp_path):
+    path = tmp_path / "sums.jsonl"
+    path.write_text("".join(json.dumps({"question": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(4)))
+    trainer = GRPOTrainer(
+        small_config(tmp_path, dataset=str(path), prompt_column="question", reward_funcs=["arithmetic"], steps=1)
+    )
+    assert sorted(row["prompt"] for row in trainer.rows) == ["0+0=", "1+1=", "2+2=", "3+3="]
+    batch = trainer.make_rollout()
+    assert batch.columns["answer"] == [str(2 * int(p[0])) for p in batch.prompts]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(group_size=1), "group_size .* >= 2"),
+        (dict(batch_size=10, group_size=4), "batch_size=10 must be divisible by group_size=4"),
+        (dict(model="/nonexistent/model"), "model path '/nonexistent/model'"),
+        (dict(dataset="/nonexistent/data.jsonl"), "dataset path '/nonexistent/data.jsonl' does not exist"),
+        (dict(loss_type="ppo"), "loss_type must be one of"),
+        (dict(reward_funcs=["a", "b"], reward_weights=[1.0]), "one weight per entry"),
+    ],
+)
+def test_bad_config_is_a_value_error(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOConfig.from_dict(overrides)
+
+
+def test_unknown_yaml_keys_are_named(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 3\nlearning_rte: 0.1\nbetaa: 0\n")
+    with pytest.raises(ValueError, match=r"unknown config keys \['betaa', 'learning_rte'\]"):
+        GRPOConfig.from_yaml(str(path))
+    path.write_text("steps: 3\ngroup_size: 4\nbatch_size: 8\n")
+    assert GRPOConfig.from_yaml(str(path), steps=5).steps == 5
+
+
+def test_dataset_without_the_prompt_column(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"question": "1+1=", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"prompt_column 'prompt'.*question"):
+        GRPOTrainer(small_config(tmp_path, dataset=str(path), reward_funcs=["arithmetic"]))
+
+
+def test_a_raising_reward_stops_the_run_with_its_name(tmp_path):
+    def broken_reward(prompts, completions, **columns):
+        raise KeyError("answer")
+
+    trainer = GRPOTrainer(small_config(tmp_path), reward_funcs=[broken_reward])
+    with pytest.raises(RewardError, match=r"'broken_reward' raised KeyError.*sample 0 \(prompt="):
+        trainer.train()
