@@ -248,11 +248,14 @@ def test_logits_never_exceed_a_chunk(monkeypatch, importance_sampling):
 
 
 def test_default_chunks_are_bounded_and_even():
-    rows = fused_module._chunk_rows(100_000, 151_936, 4, torch.device("cpu"), None)
+    N = 100_000
+    rows = fused_module._chunk_rows(N, 151_936, 4, torch.device("cpu"), None)
     assert rows * 151_936 * 4 <= fused_module.CHUNK_BYTES["cpu"]
-    assert 100_000 % rows < rows and -(-100_000 // rows) * rows - 100_000 < -(-100_000 // rows)  # near-equal chunks
+    n_chunks = -(-N // rows)
+    assert n_chunks * rows - N < n_chunks  # near-equal chunks: the last is at most n_chunks - 1 rows short
     assert fused_module._chunk_rows(10, 151_936, 4, torch.device("cpu"), None) == 10
     assert fused_module._chunk_rows(10, 151_936, 4, torch.device("cpu"), 3) == 3
+    assert fused_module._chunk_rows(0, 151_936, 4, torch.device("cpu"), None) == 1
 
 
 @pytest.mark.parametrize("return_entropy", [False, True])

@@ -44,8 +44,8 @@ def _chunk_rows(N: int, V: int, itemsize: int, device: torch.device, chunk_size:
     if chunk_size is not None:
         return chunk_size
     rows = max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cpu"]) // (V * itemsize))
-    n_chunks = -(-N // rows)
-    return -(-N // n_chunks)  # equal chunks: no thin remainder that would run a slow matmul
+    n_chunks = max(1, -(-N // rows))
+    return max(1, -(-N // n_chunks))  # equal chunks: no thin remainder that would run a slow matmul
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
