@@ -1,4 +1,4 @@
-"""Test harness run inside the sandbox as `python -I -c SOURCE MODE NONCE` (see code.py).
+"""Test harness, run inside the sandbox as the program of `run_python` with args MODE NONCE (see code.py).
 
 MODE "assert": runs solution.py, then each statement of tests.json in the same namespace,
 and writes "NONCE <passed>" as the last stdout line. A solution that raises or exits
