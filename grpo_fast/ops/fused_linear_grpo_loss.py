@@ -48,6 +48,12 @@ def _chunk_rows(N: int, V: int, itemsize: int, device: torch.device, chunk_size:
     return max(1, -(-N // n_chunks))  # equal chunks: no thin remainder that would run a slow matmul
 
 
+def _chunks(N: int, rows: int):
+    """Slices of consecutive token rows, ``rows`` at a time."""
+    for r0 in range(0, N, rows):
+        yield slice(r0, min(r0 + rows, N))
+
+
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """h [n, H] -> z = h @ weight.T + bias, [n, V] in the input dtype."""
     return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
@@ -87,8 +93,9 @@ def _policy_grad(policy, logp: torch.Tensor) -> torch.Tensor:
 
 
 def _grad_buffers(hidden2d, weight, bias, wanted, fp32_weight_grad: bool):
-    """Zeroed gradient buffers for the inputs in ``wanted`` (hidden, weight, bias); 16-bit
-    weights accumulate in float32 when ``fp32_weight_grad``; the bias always does ([V])."""
+    """Gradient buffers for the inputs flagged in ``wanted`` (hidden, weight, bias): hidden's
+    is written chunk by chunk, the others accumulate from zero, in float32 for 16-bit weights
+    when ``fp32_weight_grad`` and always for the bias (it is only [V])."""
     want_hidden, want_weight, want_bias = wanted
     weight_acc = torch.float32 if fp32_weight_grad and weight.dtype in (torch.float16, torch.bfloat16) else None
     return (
@@ -110,8 +117,7 @@ def _logprobs_sweep(hidden2d, weight, bias, ids, temperature, rows, backend, ret
     logp = torch.empty(N, dtype=acc, device=hidden2d.device)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if return_entropy else None
-    for r0 in range(0, N, rows):
-        r = slice(r0, min(r0 + rows, N))
+    for r in _chunks(N, rows):
         z = _chunk_logits(hidden2d[r], weight, bias)
         chunk_logp, chunk_lse, chunk_entropy = fwd(z.unsqueeze(0), ids[r].unsqueeze(0), temperature, return_entropy)
         logp[r], lse[r] = chunk_logp.view(-1), chunk_lse.view(-1)
@@ -163,8 +169,7 @@ class FusedLinearGRPOFunction(torch.autograd.Function):
         logp = logp.view(B, T)
         if any(wanted) and not one_sweep:  # sequence-level ratios: g needs every logp first
             g = _policy_grad(policy, logp).view(-1)
-            for r0 in range(0, N, rows):
-                r = slice(r0, min(r0 + rows, N))
+            for r in _chunks(N, rows):
                 z = _chunk_logits(hidden2d[r], weight, bias)
                 _chunk_backward(z, flat_ids[r], lse[r], g[r], temperature, hidden2d[r], weight, bwd, grads, r)
 
