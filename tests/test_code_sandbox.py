@@ -91,6 +91,7 @@ def test_extract_code_takes_the_last_fenced_block():
     text = "```python\nx = 1\n```\nthen\n```py\nx = 2\n```"
     assert extract_code(text) == "x = 2\n"
     assert extract_code("x = 3") == "x = 3"
+    assert extract_code("```Python3\r\ny = 1\r\n```") == "y = 1\r\n"
 
 
 def test_run_python_isolation_facts():

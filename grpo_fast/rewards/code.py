@@ -21,7 +21,7 @@ from grpo_fast.rewards.sandbox import SandboxLimits, run_python
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_harness.py")) as _f:
     _HARNESS = _f.read()
 
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
 def extract_code(completion: str) -> str:
