@@ -240,6 +240,32 @@ def time_variants(batch, N, V):
     return rows
 
 
+def sweep_fused_configs(batch, N, V):
+    """The fused loss (in-place, fwd+bwd) under launch knobs: vocabulary block, warps, and
+    programs = rows in flight (each program loops over rows; fewer rows in flight keep the
+    second sweep of each row in L2). Defaults: one program per row, block 4096, 8 warps."""
+    from grpo_fast.kernels.grpo_loss import grpo_loss_triton
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 2
+    configs = [(4096, 8, None), (4096, 8, sms), (4096, 8, 2 * sms), (4096, 8, 4 * sms), (8192, 16, sms),
+               (8192, 8, 2 * sms), (16384, 16, sms), (2048, 4, 4 * sms)]  # fmt: skip
+    bw = RESULTS["copy_bandwidth_GBps"] * 1e9
+    floor_bytes = N * V * 4
+    rows = []
+    for block_v, warps, programs in configs:
+        def step():
+            x = batch["full"][:, :-1].detach().requires_grad_()
+            out = grpo_loss_triton(x, *loss_args(batch), inplace_backward=True, block_v=block_v, warps=warps,
+                                   programs=programs, importance_sampling="token", **LOSS_OPTIONS)  # fmt: skip
+            torch.autograd.grad(out.loss, x)
+
+        t = bench(step)
+        rows.append(dict(V=V, N=N, block_v=block_v, warps=warps, programs=programs or N, **t,
+                         fraction_of_floor=floor_bytes / bw / (t["median_ms"] * 1e-3)))  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def device_name():
     return torch.cuda.get_device_name() if DEVICE == "cuda" else f"CPU dry run ({platform.processor() or 'cpu'})"
 
@@ -256,7 +282,7 @@ RESULTS = dict(
 def main():
     RESULTS["copy_bandwidth_GBps"] = copy_bandwidth_gbps()
     print(f"{RESULTS['device']}: copy bandwidth {RESULTS['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
-    checks, timings = [], []
+    checks, timings, sweep = [], [], []
     for B, T, V in SHAPES:
         N = B * T
         batch = make_batch(B, T, V, ragged=True)
@@ -268,13 +294,17 @@ def main():
             checks.append(dict(check=name, N=N, V=V, **fn()))
             print(json.dumps(checks[-1]), flush=True)
         del batch
-        timings += time_variants(make_batch(B, T, V, ragged=False), N, V)
+        timing_batch = make_batch(B, T, V, ragged=False)
+        timings += time_variants(timing_batch, N, V)
+        if time.perf_counter() - START < ARGS.budget_s:
+            sweep += sweep_fused_configs(timing_batch, N, V)
+        del timing_batch
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     checks.append(dict(check="group_advantages (3 scales, weighted NaN columns)", N=SHAPES[0][0] * SHAPES[0][1],
                        **check_group_advantages(SHAPES[0][0] * SHAPES[0][1])))  # fmt: skip
     print(json.dumps(checks[-1]), flush=True)
-    RESULTS.update(checks=checks, timings=timings, all_checks_ok=all(c["ok"] for c in checks),
+    RESULTS.update(checks=checks, timings=timings, fused_loss_config_sweep=sweep, all_checks_ok=all(c["ok"] for c in checks),
                    elapsed_s=time.perf_counter() - START)  # fmt: skip
     os.makedirs(ARGS.out, exist_ok=True)
     slug = "dryrun_cpu" if ARGS.dry_run else "".join(c if c.isalnum() else "_" for c in RESULTS["device"]).strip("_")
@@ -282,6 +312,10 @@ def main():
     with open(path, "w") as f:
         json.dump(RESULTS, f, indent=1)
     print_table(timings)
+    for V in sorted({r["V"] for r in sweep}):
+        best = min((r for r in sweep if r["V"] == V), key=lambda r: r["median_ms"])
+        print(f"best fused-loss launch at V={V}: block {best['block_v']}, {best['warps']} warps, "
+              f"{best['programs']} programs: {best['median_ms']:.3f} ms, {best['fraction_of_floor']:.0%} of floor")
     print(f"checks {'all passed' if RESULTS['all_checks_ok'] else 'FAILED'}; wrote {path} "
           f"in {RESULTS['elapsed_s']:.0f} s")  # fmt: skip
     return 0 if RESULTS["all_checks_ok"] else 1

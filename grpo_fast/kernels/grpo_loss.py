@@ -68,7 +68,7 @@ def _policy_grads(
     return d_pg, d_kl
 
 
-@triton.jit(do_not_specialize=["T", "loss_kind", "kl_kind", "has_old", "has_ref"])
+@triton.jit(do_not_specialize=["N", "T", "loss_kind", "kl_kind", "has_old", "has_ref"])
 def _grpo_loss_fwd_kernel(
     logits_ptr,  # [B, T, V], any strides
     stride_b,
@@ -88,6 +88,7 @@ def _grpo_loss_fwd_kernel(
     logp_ptr,  # [B * T] out (0 at padding); its dtype (float32, float64 for float64 logits) is
     #            the accumulation dtype, as of every [B * T] input
     entropy_ptr,  # [B * T] out, as logp; unused without RETURN_ENTROPY
+    N,  # B * T rows
     T,
     V,
     inv_tau,
@@ -105,36 +106,39 @@ def _grpo_loss_fwd_kernel(
     RETURN_ENTROPY: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    b = (row // T).to(tl.int64)
-    t = (row % T).to(tl.int64)
-    row_ptr = logits_ptr + b * stride_b + t * stride_t
-    out_ptr = grad_ptr + b * stride_gb + t * stride_gt
-    tok = tl.load(ids_ptr + row).to(tl.int64)
-    if tl.load(mask_ptr + row) == 0.0:
-        tl.store(logp_ptr + row, 0.0)
-        if RETURN_ENTROPY:
-            tl.store(entropy_ptr + row, 0.0)
-        if WRITE_GRAD:
-            _row_grad(row_ptr, stride_v, out_ptr, stride_gv, V, inv_tau, 0.0, 0.0, tok, BLOCK_V)
-    else:
-        acc = logp_ptr.dtype.element_ty
-        lse, mean_x = _row_logsumexp(row_ptr, stride_v, V, inv_tau, acc, BLOCK_V, RETURN_ENTROPY)
-        logp = tl.load(row_ptr + tok * stride_v).to(acc) * inv_tau - lse
+    # Rows in flight = programs: fewer programs than rows loop over rows, so that the rows being
+    # swept (twice) fit in L2 (a launcher knob, measured by benchmarks/gpu/bench_kernels.py).
+    acc = logp_ptr.dtype.element_ty
+    for row in range(tl.program_id(0), N, tl.num_programs(0)):
+        b = (row // T).to(tl.int64)
+        t = (row % T).to(tl.int64)
+        row_ptr = logits_ptr + b * stride_b + t * stride_t
+        out_ptr = grad_ptr + b * stride_gb + t * stride_gt
+        tok = tl.load(ids_ptr + row).to(tl.int64)
+        # Padding keeps these zeros: no sweep, and a zero coefficient makes _row_grad write zeros unread.
+        lse = tl.full([], 0.0, acc)
+        logp = tl.full([], 0.0, acc)
+        entropy = tl.full([], 0.0, acc)
+        coef = tl.full([], 0.0, acc)
+        if tl.load(mask_ptr + row) != 0.0:
+            lse, mean_x = _row_logsumexp(row_ptr, stride_v, V, inv_tau, acc, BLOCK_V, RETURN_ENTROPY)
+            logp = tl.load(row_ptr + tok * stride_v).to(acc) * inv_tau - lse
+            entropy = lse - mean_x
+            if WRITE_GRAD:
+                old = tl.load(old_ptr + row, mask=has_old != 0, other=0.0)
+                ref = tl.load(ref_ptr + row, mask=has_ref != 0, other=0.0)
+                d_pg, d_kl = _policy_grads(
+                    logp, old, tl.load(adv_ptr + row), ref, has_old, eps_low, eps_high, delta, dual_clip,
+                    tau_pos, tau_neg, loss_kind, kl_kind,
+                )  # fmt: skip
+                kl_weight = tl.load(kl_weight_ptr + row, mask=has_ref != 0, other=0.0)
+                d_loss = tl.load(pg_weight_ptr + row) * d_pg + tl.where(kl_weight != 0.0, kl_weight * d_kl, 0.0)
+                coef = (d_loss * inv_tau).to(acc)  # kl_weight = 0 (beta = 0): no 0 * inf from exp(d)
         tl.store(logp_ptr + row, logp)
         if RETURN_ENTROPY:
-            tl.store(entropy_ptr + row, lse - mean_x)
+            tl.store(entropy_ptr + row, entropy)
         if WRITE_GRAD:
-            old = tl.load(old_ptr + row, mask=has_old != 0, other=0.0)
-            ref = tl.load(ref_ptr + row, mask=has_ref != 0, other=0.0)
-            d_pg, d_kl = _policy_grads(
-                logp, old, tl.load(adv_ptr + row), ref, has_old, eps_low, eps_high, delta, dual_clip,
-                tau_pos, tau_neg, loss_kind, kl_kind,
-            )  # fmt: skip
-            coef = tl.load(pg_weight_ptr + row) * d_pg
-            kl_weight = tl.load(kl_weight_ptr + row, mask=has_ref != 0, other=0.0)
-            coef += tl.where(kl_weight != 0.0, kl_weight * d_kl, 0.0)  # beta = 0: no 0 * inf
-            _row_grad(row_ptr, stride_v, out_ptr, stride_gv, V, inv_tau, lse, coef * inv_tau, tok, BLOCK_V)
+            _row_grad(row_ptr, stride_v, out_ptr, stride_gv, V, inv_tau, lse, coef, tok, BLOCK_V)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -191,25 +195,28 @@ def grpo_loss_fwd(
     ref_logprobs: Optional[torch.Tensor],
     grad: Optional[torch.Tensor],
     *,
-    temperature: float,
-    return_entropy: bool,
-    beta: float,
-    eps_low: float,
-    eps_high: Optional[float],
-    delta: Optional[float],
-    loss_type: str,
-    max_completion_length: Optional[int],
-    num_items_in_batch,
-    importance_weights: Optional[torch.Tensor],
-    dual_clip: Optional[float],
-    kl_estimator: str,
-    sapo_tau_pos: float,
-    sapo_tau_neg: float,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    beta: float = 0.0,
+    eps_low: float = 0.2,
+    eps_high: Optional[float] = None,
+    delta: Optional[float] = None,
+    loss_type: str = "grpo",
+    max_completion_length: Optional[int] = None,
+    num_items_in_batch=None,
+    importance_weights: Optional[torch.Tensor] = None,
+    dual_clip: Optional[float] = None,
+    kl_estimator: str = "k3",
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
     block_v: Optional[int] = None,
+    programs: Optional[int] = None,
+    warps: Optional[int] = None,
 ):
     """One launch over logits [B, T, V]: returns logp [B, T] (0 at padding) and entropy [B, T]
     or None, float32 (float64 for float64 logits); writes dL/dlogits into ``grad`` [B, T, V] (any strides, may be the
-    logits) unless ``grad`` is None."""
+    logits) unless ``grad`` is None. ``block_v``, ``programs`` (rows in flight; default one
+    program per row) and ``warps`` are launch knobs, not semantics."""
     B, T, V = logits.shape
     acc = accumulate_dtype(logits)
     m = torch.ones(B, T, dtype=acc, device=logits.device) if mask is None else mask.to(acc)
@@ -227,14 +234,14 @@ def grpo_loss_fwd(
     eps_high = eps_low if eps_high is None else eps_high
     inf = float("inf")
     g = logits if grad is None else grad
-    _grpo_loss_fwd_kernel[(B * T,)](
+    _grpo_loss_fwd_kernel[(min(B * T, programs or B * T),)](
         logits, *logits.stride(), g, *g.stride(), ids.reshape(-1).contiguous(), m.reshape(-1).contiguous(),
         adv, adv if old is None else old, adv if ref is None else ref, pg_weight.reshape(-1).contiguous(),
         (weight * beta).reshape(-1).contiguous() if use_kl else adv, logp, logp if entropy is None else entropy,
-        T, V, 1.0 / temperature, float(eps_low), float(eps_high), inf if delta is None else float(delta),
+        B * T, T, V, 1.0 / temperature, float(eps_low), float(eps_high), inf if delta is None else float(delta),
         inf if dual_clip is None else float(dual_clip), float(sapo_tau_pos), float(sapo_tau_neg),
         LOSS_KINDS.get(loss_type, 0), KL_KINDS[kl_estimator], int(old is not None), int(use_kl),
-        BLOCK_V=block, RETURN_ENTROPY=return_entropy, WRITE_GRAD=grad is not None, num_warps=num_warps(block),
+        BLOCK_V=block, RETURN_ENTROPY=return_entropy, WRITE_GRAD=grad is not None, num_warps=warps or num_warps(block),
     )  # fmt: skip
     return logp, entropy
 
@@ -277,6 +284,8 @@ def grpo_loss_triton(
     return_entropy: bool = False,
     inplace_backward: bool = False,
     block_v: Optional[int] = None,
+    programs: Optional[int] = None,
+    warps: Optional[int] = None,
     **options,
 ) -> LossOutput:
     """``grpo_fast.grpo_loss`` for ``importance_sampling="token"`` in one launch (arguments
@@ -295,7 +304,8 @@ def grpo_loss_triton(
     kernel_options = {k: v for k, v in options.items() if k != "importance_sampling"}
     logp, entropy = grpo_loss_fwd(
         logits.detach(), ids, advantages, mask, old_logprobs, ref_logprobs, grad,
-        temperature=temperature, return_entropy=return_entropy, block_v=block_v, **kernel_options,
+        temperature=temperature, return_entropy=return_entropy, block_v=block_v, programs=programs, warps=warps,
+        **kernel_options,
     )  # fmt: skip
     with torch.no_grad():
         out = reference.policy_loss(logp, advantages, mask, old_logprobs, ref_logprobs, entropy=entropy, **options)
