@@ -1,7 +1,7 @@
 """The token-level GRPO loss in one launch: log-probs, policy math and dL/dlogits together.
 
-Order: the per-token gradient of the policy term, the forward kernel, the gradient-rescale
-kernel, the launcher, the autograd.Function, the entry point ``grpo_loss_triton`` that
+Order: the per-token policy terms, the forward kernel, the gradient-rescale kernel, the
+launchers, the autograd.Function, the entry point ``grpo_loss_triton`` that
 ``grpo_fast.ops.grpo_loss`` dispatches to for ``importance_sampling="token"``.
 
 The loss is terminal, so once a row's log-sum-exp is known so is its coefficient
@@ -12,11 +12,12 @@ L2) and the gradient is written once. With L = sum_t weight_t * (iw_t * pg_t + b
     c_t = weight_t * iw_t * dpg_t/dlogp + weight_t * beta * dkl_t/dlogp
 
 where weight_t = dL/dper_token_t is the aggregation (grpo: m / (B * len_b), bnpo: m / sum m,
-...), computed in torch on [B, T] like every other per-variant reduction. The kernel only
-differentiates the per-token terms (derivation beside ``_policy_grads``); the loss value and
-the metrics come from ``reference.policy_loss`` on the kernel's log-probs, the spec itself.
-Backward only multiplies by the incoming gradient, and only when it is not 1, deciding on
-the device (no host sync).
+...), computed in torch on [B, T]. The kernel writes, per token, the weighted loss term and
+the metrics' masked pieces (KL, clip flags, ratio, entropy); one ``sum`` over them gives the
+loss and every metric. Padding rows are not read: zero terms, zero gradient. Backward only
+multiplies by the incoming gradient, and only when it is not 1, deciding on the device (no
+host sync). Scalars (beta, eps, delta, temperature, ...) are runtime arguments: changing
+them does not recompile.
 """
 
 from typing import Optional
@@ -25,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_fast import reference
 from grpo_fast.kernels.token_logprobs import _row_grad, _row_logsumexp, accumulate_dtype, block_size, num_warps
 from grpo_fast.outputs import LossOutput
 
@@ -34,10 +34,11 @@ KL_KINDS = {"k3": 0, "k1": 1, "k2": 2}
 
 
 @triton.jit
-def _policy_grads(
+def _policy_terms(
     logp, old, adv, ref, has_old, eps_low, eps_high, delta, dual_clip, tau_pos, tau_neg, loss_kind, kl_kind
 ):
-    """(d pg / dlogp, d kl / dlogp) for one token, with torch's subgradients at ties.
+    """One token's (pg, d pg / dlogp, kl, d kl / dlogp, ratio w, clipped low, clipped high),
+    with torch's subgradients at ties.
 
     w = exp(logp - old) (1 on-policy, where old = logp.detach()), dw/dlogp = w.
     clipped: pg = -min(w1 A, w2 A), w1 = min(w, delta), w2 = clamp(w, 1 - eps_low, 1 + eps_high);
@@ -54,18 +55,25 @@ def _policy_grads(
     dw2 = tl.where((w >= 1.0 - eps_low) & (w <= 1.0 + eps_high), w, 0.0)
     a = w1 * adv
     b = w2 * adv
+    pg_clip = -tl.minimum(a, b)
     d_clip = -adv * tl.where(a < b, dw1, tl.where(b < a, dw2, 0.5 * (dw1 + dw2)))
-    pg = -tl.minimum(a, b)
     cap = -adv * dual_clip
-    d_dual = tl.where(pg < cap, d_clip, tl.where(pg > cap, 0.0, 0.5 * d_clip))
-    d_clip = tl.where(adv < 0, d_dual, d_clip)
-    d_cispo = -tl.minimum(w, eps_high) * adv
-    s = tl.sigmoid(tl.where(adv > 0, tau_pos, tau_neg) * (w - 1.0))
-    d_sapo = -4.0 * adv * s * (1.0 - s) * w
-    d_pg = tl.where(loss_kind == 1, d_cispo, tl.where(loss_kind == 2, d_sapo, d_clip))
+    dual = adv < 0
+    d_clip = tl.where(dual & (pg_clip > cap), 0.0, tl.where(dual & (pg_clip == cap), 0.5 * d_clip, d_clip))
+    pg_clip = tl.where(dual, tl.minimum(pg_clip, cap), pg_clip)
+    truncated = tl.minimum(w, eps_high)
+    tau = tl.where(adv > 0, tau_pos, tau_neg)
+    s = tl.sigmoid(tau * (w - 1.0))
+    is_cispo = loss_kind == 1
+    is_sapo = loss_kind == 2
+    pg = tl.where(is_cispo, -truncated * adv * logp, tl.where(is_sapo, -s * 4.0 / tau * adv, pg_clip))
+    d_pg = tl.where(is_cispo, -truncated * adv, tl.where(is_sapo, -4.0 * adv * s * (1.0 - s) * w, d_clip))
     d = ref - logp
+    kl = tl.where(kl_kind == 1, -d, tl.where(kl_kind == 2, 0.5 * d * d, tl.exp(d) - d - 1.0))
     d_kl = tl.where(kl_kind == 1, 1.0, tl.where(kl_kind == 2, -d, 1.0 - tl.exp(d)))
-    return d_pg, d_kl
+    low = (w < 1.0 - eps_low) & (adv < 0) & (loss_kind != 1)  # CISPO clips no low side
+    high = (w > tl.where(is_cispo, eps_high, 1.0 + eps_high)) & (adv > 0)
+    return pg, d_pg, kl, d_kl, w, low, high
 
 
 @triton.jit(do_not_specialize=["N", "T", "loss_kind", "kl_kind", "has_old", "has_ref"])
@@ -78,17 +86,16 @@ def _grpo_loss_fwd_kernel(
     stride_gb,
     stride_gt,
     stride_gv,
-    ids_ptr,  # [B * T] token ids
-    mask_ptr,  # [B * T], 0 = padding: no sweep, zero gradient
-    adv_ptr,  # [B * T] advantages
-    old_ptr,  # [B * T] old log-probs, read only if has_old
-    ref_ptr,  # [B * T] reference log-probs, read only if has_ref
-    pg_weight_ptr,  # [B * T] aggregation weight * importance weight
-    kl_weight_ptr,  # [B * T] aggregation weight * beta, read only if has_ref
-    logp_ptr,  # [B * T] out (0 at padding); its dtype (float32, float64 for float64 logits) is
-    #            the accumulation dtype, as of every [B * T] input
-    entropy_ptr,  # [B * T] out, as logp; unused without RETURN_ENTROPY
-    N,  # B * T rows
+    ids_ptr,  # [N] token ids, N = B * T
+    mask_ptr,  # [N] mask m; 0 = padding: no sweep, zero gradient
+    adv_ptr,  # [N] advantages
+    old_ptr,  # [N] old log-probs, read only if has_old
+    ref_ptr,  # [N] reference log-probs, read only if has_ref
+    pg_weight_ptr,  # [N] aggregation weight * importance weight
+    kl_weight_ptr,  # [N] aggregation weight * beta, read only if has_ref
+    pieces_ptr,  # [7, N] out, per token: loss term, then m * (kl, low, high, low | high, w, entropy);
+    #              its dtype (float32, float64 for float64 logits) is the accumulation dtype
+    N,
     T,
     V,
     inv_tau,
@@ -106,38 +113,52 @@ def _grpo_loss_fwd_kernel(
     RETURN_ENTROPY: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
 ):
+    acc = pieces_ptr.dtype.element_ty
     # Rows in flight = programs: fewer programs than rows loop over rows, so that the rows being
     # swept (twice) fit in L2 (a launcher knob, measured by benchmarks/gpu/bench_kernels.py).
-    acc = logp_ptr.dtype.element_ty
     for row in range(tl.program_id(0), N, tl.num_programs(0)):
         b = (row // T).to(tl.int64)
         t = (row % T).to(tl.int64)
         row_ptr = logits_ptr + b * stride_b + t * stride_t
-        out_ptr = grad_ptr + b * stride_gb + t * stride_gt
         tok = tl.load(ids_ptr + row).to(tl.int64)
+        m = tl.load(mask_ptr + row)
         # Padding keeps these zeros: no sweep, and a zero coefficient makes _row_grad write zeros unread.
         lse = tl.full([], 0.0, acc)
-        logp = tl.full([], 0.0, acc)
-        entropy = tl.full([], 0.0, acc)
         coef = tl.full([], 0.0, acc)
-        if tl.load(mask_ptr + row) != 0.0:
+        term = tl.full([], 0.0, acc)
+        kl = tl.full([], 0.0, acc)
+        low = tl.full([], 0.0, acc)
+        high = tl.full([], 0.0, acc)
+        w = tl.full([], 0.0, acc)
+        entropy = tl.full([], 0.0, acc)
+        if m != 0.0:
             lse, mean_x = _row_logsumexp(row_ptr, stride_v, V, inv_tau, acc, BLOCK_V, RETURN_ENTROPY)
             logp = tl.load(row_ptr + tok * stride_v).to(acc) * inv_tau - lse
             entropy = lse - mean_x
-            if WRITE_GRAD:
-                old = tl.load(old_ptr + row, mask=has_old != 0, other=0.0)
-                ref = tl.load(ref_ptr + row, mask=has_ref != 0, other=0.0)
-                d_pg, d_kl = _policy_grads(
-                    logp, old, tl.load(adv_ptr + row), ref, has_old, eps_low, eps_high, delta, dual_clip,
-                    tau_pos, tau_neg, loss_kind, kl_kind,
-                )  # fmt: skip
-                kl_weight = tl.load(kl_weight_ptr + row, mask=has_ref != 0, other=0.0)
-                d_loss = tl.load(pg_weight_ptr + row) * d_pg + tl.where(kl_weight != 0.0, kl_weight * d_kl, 0.0)
-                coef = (d_loss * inv_tau).to(acc)  # kl_weight = 0 (beta = 0): no 0 * inf from exp(d)
-        tl.store(logp_ptr + row, logp)
+            old = tl.load(old_ptr + row, mask=has_old != 0, other=0.0)
+            ref = tl.load(ref_ptr + row, mask=has_ref != 0, other=0.0)
+            pg, d_pg, kl, d_kl, w, is_low, is_high = _policy_terms(
+                logp, old, tl.load(adv_ptr + row), ref, has_old, eps_low, eps_high, delta, dual_clip,
+                tau_pos, tau_neg, loss_kind, kl_kind,
+            )  # fmt: skip
+            pg_weight = tl.load(pg_weight_ptr + row)
+            kl_weight = tl.load(kl_weight_ptr + row, mask=has_ref != 0, other=0.0)
+            use_kl = kl_weight != 0.0  # beta = 0: the KL term is absent, not 0 * inf from exp(d)
+            term = (pg_weight * pg + tl.where(use_kl, kl_weight * kl, 0.0)).to(acc)
+            coef = ((pg_weight * d_pg + tl.where(use_kl, kl_weight * d_kl, 0.0)) * inv_tau).to(acc)
+            kl = tl.where(has_ref != 0, kl, 0.0).to(acc)
+            low = tl.where(is_low, 1.0, 0.0).to(acc)
+            high = tl.where(is_high, 1.0, 0.0).to(acc)
+        tl.store(pieces_ptr + row, term)
+        tl.store(pieces_ptr + N + row, m * kl)
+        tl.store(pieces_ptr + 2 * N + row, m * low)
+        tl.store(pieces_ptr + 3 * N + row, m * high)
+        tl.store(pieces_ptr + 4 * N + row, m * tl.maximum(low, high))
+        tl.store(pieces_ptr + 5 * N + row, m * w)
         if RETURN_ENTROPY:
-            tl.store(entropy_ptr + row, entropy)
+            tl.store(pieces_ptr + 6 * N + row, m * entropy)
         if WRITE_GRAD:
+            out_ptr = grad_ptr + b * stride_gb + t * stride_gt
             _row_grad(row_ptr, stride_v, out_ptr, stride_gv, V, inv_tau, lse, coef, tok, BLOCK_V)
 
 
@@ -212,38 +233,48 @@ def grpo_loss_fwd(
     block_v: Optional[int] = None,
     programs: Optional[int] = None,
     warps: Optional[int] = None,
-):
-    """One launch over logits [B, T, V]: returns logp [B, T] (0 at padding) and entropy [B, T]
-    or None, float32 (float64 for float64 logits); writes dL/dlogits into ``grad`` [B, T, V] (any strides, may be the
-    logits) unless ``grad`` is None. ``block_v``, ``programs`` (rows in flight; default one
-    program per row) and ``warps`` are launch knobs, not semantics."""
+) -> LossOutput:
+    """One launch over logits [B, T, V]: returns the LossOutput (loss undifferentiated) and
+    writes dL/dlogits into ``grad`` [B, T, V] (any strides, may be the logits) unless ``grad``
+    is None. ``block_v``, ``programs`` (rows in flight; default one program per row) and
+    ``warps`` are launch knobs, not semantics."""
     B, T, V = logits.shape
+    N = B * T
     acc = accumulate_dtype(logits)
     m = torch.ones(B, T, dtype=acc, device=logits.device) if mask is None else mask.to(acc)
     weight = aggregation_weights(m, loss_type, max_completion_length, num_items_in_batch)
     pg_weight = weight if importance_weights is None else weight * _per_token(importance_weights, B, T, acc).view(B, T)
     adv = _per_token(advantages, B, T, acc)
     old = _per_token(old_logprobs, B, T, acc)
-    use_kl = beta != 0.0
-    ref = _per_token(ref_logprobs, B, T, acc) if use_kl else None
-    logp = torch.empty(B, T, dtype=acc, device=logits.device)
-    entropy = torch.empty_like(logp) if return_entropy else None
-    if B * T == 0:
-        return logp, entropy
-    block = block_size(V, block_v)
-    eps_high = eps_low if eps_high is None else eps_high
-    inf = float("inf")
-    g = logits if grad is None else grad
-    _grpo_loss_fwd_kernel[(min(B * T, programs or B * T),)](
-        logits, *logits.stride(), g, *g.stride(), ids.reshape(-1).contiguous(), m.reshape(-1).contiguous(),
-        adv, adv if old is None else old, adv if ref is None else ref, pg_weight.reshape(-1).contiguous(),
-        (weight * beta).reshape(-1).contiguous() if use_kl else adv, logp, logp if entropy is None else entropy,
-        B * T, T, V, 1.0 / temperature, float(eps_low), float(eps_high), inf if delta is None else float(delta),
-        inf if dual_clip is None else float(dual_clip), float(sapo_tau_pos), float(sapo_tau_neg),
-        LOSS_KINDS.get(loss_type, 0), KL_KINDS[kl_estimator], int(old is not None), int(use_kl),
-        BLOCK_V=block, RETURN_ENTROPY=return_entropy, WRITE_GRAD=grad is not None, num_warps=warps or num_warps(block),
-    )  # fmt: skip
-    return logp, entropy
+    ref = _per_token(ref_logprobs, B, T, acc)
+    pieces = torch.zeros(7, N, dtype=acc, device=logits.device)
+    if N > 0:
+        block = block_size(V, block_v)
+        eps_high = eps_low if eps_high is None else eps_high
+        inf = float("inf")
+        g = logits if grad is None else grad
+        _grpo_loss_fwd_kernel[(min(N, programs or N),)](
+            logits, *logits.stride(), g, *g.stride(), ids.reshape(-1).contiguous(), m.reshape(-1).contiguous(),
+            adv, adv if old is None else old, adv if ref is None else ref, pg_weight.reshape(-1).contiguous(),
+            adv if ref is None else (weight * beta).reshape(-1).contiguous(), pieces,
+            N, T, V, 1.0 / temperature, float(eps_low), float(eps_high), inf if delta is None else float(delta),
+            inf if dual_clip is None else float(dual_clip), float(sapo_tau_pos), float(sapo_tau_neg),
+            LOSS_KINDS.get(loss_type, 0), KL_KINDS[kl_estimator], int(old is not None), int(ref is not None),
+            BLOCK_V=block, RETURN_ENTROPY=return_entropy, WRITE_GRAD=grad is not None,
+            num_warps=warps or num_warps(block),
+        )  # fmt: skip
+    # Every reduction in one call: the weighted loss terms, then the metrics' masked sums.
+    sums = pieces.sum(dim=1)
+    metrics = (sums[1:] / m.sum().clamp(min=1.0)).float()
+    return LossOutput(
+        loss=sums[0],
+        kl=None if ref is None else metrics[0],
+        clip_ratio_low=metrics[1],
+        clip_ratio_high=metrics[2],
+        clip_ratio_region=metrics[3],
+        ratio_mean=metrics[4],
+        entropy=metrics[5] if return_entropy else None,
+    )
 
 
 def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, block_v: Optional[int] = None) -> torch.Tensor:
@@ -289,7 +320,7 @@ def grpo_loss_triton(
     **options,
 ) -> LossOutput:
     """``grpo_fast.grpo_loss`` for ``importance_sampling="token"`` in one launch (arguments
-    already validated; ``options`` are the policy-loss keywords of ``reference.policy_loss``).
+    already validated; ``options`` are the policy-loss keywords of ``grpo_fast.grpo_loss``).
 
     The gradient is computed in the forward when ``logits.requires_grad`` under grad mode,
     into a new [B, T, V] buffer or, with ``inplace_backward``, into the logits themselves
@@ -302,13 +333,12 @@ def grpo_loss_triton(
     if write_grad:
         grad = logits.detach() if inplace_backward else torch.empty_like(logits)
     kernel_options = {k: v for k, v in options.items() if k != "importance_sampling"}
-    logp, entropy = grpo_loss_fwd(
-        logits.detach(), ids, advantages, mask, old_logprobs, ref_logprobs, grad,
-        temperature=temperature, return_entropy=return_entropy, block_v=block_v, programs=programs, warps=warps,
-        **kernel_options,
-    )  # fmt: skip
     with torch.no_grad():
-        out = reference.policy_loss(logp, advantages, mask, old_logprobs, ref_logprobs, entropy=entropy, **options)
+        out = grpo_loss_fwd(
+            logits.detach(), ids, advantages, mask, old_logprobs, ref_logprobs, grad,
+            temperature=temperature, return_entropy=return_entropy, block_v=block_v, programs=programs, warps=warps,
+            **kernel_options,
+        )  # fmt: skip
     if not write_grad:
         return out
     return out._replace(loss=FusedGradFunction.apply(logits, out.loss, grad))
