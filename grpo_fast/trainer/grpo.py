@@ -176,11 +176,16 @@ class GRPOTrainer:
         rows = []
         for _ in range(self.config.prompts_per_step):
             epoch, index = divmod(self.data_position, len(self.rows))
-            order = list(range(len(self.rows)))
-            random.Random(self.config.seed * 100_003 + epoch).shuffle(order)
-            rows.append(self.rows[order[index]])
+            rows.append(self.rows[self._epoch_order(epoch)[index]])
             self.data_position += 1
         return rows
+
+    def _epoch_order(self, epoch: int) -> list:
+        if getattr(self, "_order", (None,))[0] != epoch:
+            order = list(range(len(self.rows)))
+            random.Random(self.config.seed * 100_003 + epoch).shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
 
     # ---------------------------------------------------------------- one step
     def make_rollout(self) -> Rollout:

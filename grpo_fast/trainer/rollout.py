@@ -75,14 +75,22 @@ def generate(
 
     device = next(model.parameters()).device
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
+    # Each distinct prompt is tokenized once (a prompt's G samples are adjacent copies).
+    distinct, index = [], []
+    for prompt in prompts:
+        if not distinct or distinct[-1] != prompt:
+            distinct.append(prompt)
+        index.append(len(distinct) - 1)
     enc = tokenizer(
-        prompts,
+        distinct,
         return_tensors="pt",
         padding=True,
         truncation=max_prompt_length is not None,
         max_length=max_prompt_length,
         add_special_tokens=False,
-    ).to(device)
+    )
+    index = torch.tensor(index)
+    enc = {key: value[index].to(device) for key, value in enc.items() if key in ("input_ids", "attention_mask")}
     gen_config = GenerationConfig(
         do_sample=True,
         temperature=temperature,
@@ -150,15 +158,17 @@ def _first_failing_sample(func: Callable, prompts: list, completions: list, colu
 
 
 def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
-    """Logits that predict the completion tokens: [N, C, V], a view of the model's [N, C + 1, V].
+    """Logits that predict the completion tokens: [N, C, V].
 
-    ``logits_to_keep`` makes the LM head run on the last C + 1 positions only; position ids
-    follow the attention mask so left padding does not shift the prompt.
+    ``logits_to_keep`` makes the LM head run on those C positions only; position ids follow
+    the attention mask so left padding does not shift the prompt.
     """
-    C = num_completion_tokens
+    L, C = input_ids.shape[1], num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=C + 1)
-    return out.logits[:, :-1]
+    # Index positions L-C-1 .. L-2 (each predicts the next token): contiguous [N, C, V] logits.
+    keep = torch.arange(L - C - 1, L - 1, device=input_ids.device)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep)
+    return out.logits
 
 
 def completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
