@@ -4,6 +4,7 @@
     grpo-fast train --model PATH --dataset PATH      # a real causal LM on a prompt dataset
     grpo-fast train --config run.yaml --steps 500    # YAML config, flags override it
     grpo-fast train --output runs/x --resume         # continue a run from its last checkpoint
+    grpo-fast bench memory --preset 100m             # what PPO's critic costs next to GRPO (memory, time)
 
 Every field of :class:`GRPOConfig` is also a flag (``--learning-rate``, ``--beta``, ...).
 """
@@ -14,6 +15,7 @@ import os
 import sys
 import typing
 
+from grpo_fast.bench import memory as memory_bench
 from grpo_fast.trainer.config import GRPOConfig
 
 # Short names the issue and README use for config fields.
@@ -60,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
             options.add_argument(*names, dest=field.name, nargs=nargs, type=element, default=None)
         else:
             options.add_argument(*names, dest=field.name, type=kind, default=None, metavar=field.name.upper())
+    bench = commands.add_parser("bench", help="benchmarks: grpo-fast bench memory (PPO's critic against GRPO)")
+    memory = bench.add_subparsers(dest="benchmark", required=True).add_parser(
+        "memory",
+        help="peak memory and step time of one training step: ppo, grpo_eager, grpo_fused, grpo_fused_linear",
+        description=memory_bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    memory_bench.add_arguments(memory)
     return parser
 
 
@@ -111,7 +121,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return train(args)
+        return memory_bench.command(args) if args.command == "bench" else train(args)
     except (ValueError, FileNotFoundError, CheckpointError, RewardError) as exc:
         print(f"grpo-fast: error: {exc}", file=sys.stderr)
         return 2

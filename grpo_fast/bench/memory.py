@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 CONFIGS = ("ppo", "grpo_eager", "grpo_fused", "grpo_fused_linear")
@@ -237,6 +238,7 @@ def run_memory_benchmark(
     beta: float = 0.0,
     configs=None,
     repeats: int = 2,
+    jobs: int = 1,
     device: str = "auto",
     json_path: Optional[str] = None,
     plot_path: Optional[str] = None,
@@ -245,6 +247,8 @@ def run_memory_benchmark(
     """Runs each configuration in a fresh process; returns ``{config: {"peak_bytes", "step_s", ...},
     "meta": {...}}`` and writes it to ``json_path`` and a bar chart to ``plot_path`` when given.
 
+    ``jobs`` > 1 runs that many configurations at once: each peak is its own process's and
+    stays valid, but the step times then share the CPU and are not comparable.
     ``model`` (a local causal-LM folder) replaces the preset's model; the preset still gives
     the batch shape unless ``batch``, ``prompt_length`` or ``completion_length`` override it.
     """
@@ -268,18 +272,24 @@ def run_memory_benchmark(
         raise ValueError(f"micro_batch must be in [1, batch={settings['batch']}], got {micro_batch!r}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs!r}")
 
     import grpo_fast
 
     spec = dict(settings, model_path=model, preset=preset, micro_batch=micro_batch, group_size=group_size,
-                beta=beta, repeats=repeats, device=device)  # fmt: skip
-    results = {}
-    for name in configs:
+                beta=beta, repeats=repeats, jobs=jobs, device=device)  # fmt: skip
+
+    def run(name):
         if name == "grpo_fused_linear" and not hasattr(grpo_fast, "fused_linear_grpo_loss"):
-            results[name] = {"error": "grpo_fast.fused_linear_grpo_loss is not available in this install"}
+            result = {"error": "grpo_fast.fused_linear_grpo_loss is not available in this install"}
         else:
-            results[name] = run_isolated([sys.executable, "-m", "grpo_fast.bench.memory"], dict(spec, config=name))
-        echo(f"{name}: {results[name]}")
+            result = run_isolated([sys.executable, "-m", "grpo_fast.bench.memory"], dict(spec, config=name))
+        echo(f"{name}: {result}")
+        return result
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = dict(zip(configs, pool.map(run, configs)))
     results["meta"] = dict(settings=spec, machine=machine_info(), ratios=_ratios(results))
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
@@ -382,6 +392,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beta", type=float, default=0.0, help="KL weight; > 0 adds a frozen reference model (default 0)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), help=f"subset of {' '.join(CONFIGS)}")
     parser.add_argument("--repeats", type=int, default=2, help="timed steps after the measured one (default 2)")
+    parser.add_argument("--jobs", type=int, default=1, help="configurations at once (peaks stay valid, times do not)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a bar chart (PNG) here")
@@ -396,8 +407,8 @@ def command(args: argparse.Namespace) -> int:
         results = run_memory_benchmark(
             preset=args.preset, model=args.model, batch=args.batch, prompt_length=args.prompt_length,
             completion_length=args.completion_length, micro_batch=args.micro_batch, group_size=args.group_size,
-            beta=args.beta, configs=args.configs, repeats=args.repeats, device=args.device, json_path=args.json,
-            plot_path=args.plot, echo=lambda line: print(line, file=sys.stderr),
+            beta=args.beta, configs=args.configs, repeats=args.repeats, jobs=args.jobs, device=args.device,
+            json_path=args.json, plot_path=args.plot, echo=lambda line: print(line, file=sys.stderr),
         )  # fmt: skip
     except ValueError as exc:
         print(f"grpo-fast bench memory: error: {exc}", file=sys.stderr)

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from grpo_fast.trainer.config import GRPOConfig
-from grpo_fast.trainer.grpo import _PER_SEQUENCE, GRPOTrainer
+from grpo_fast.trainer.grpo import GRPOTrainer
 from grpo_fast.trainer.rollout import Rollout, autocast, completion_hidden
 
 
@@ -136,15 +136,6 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden).squeeze(-1).float()
 
 
-def micro_batch_weight(loss_type: str, rows: slice, N: int, tokens: torch.Tensor, num_items: torch.Tensor) -> float:
-    """What a micro-batch's loss is multiplied by so that the accumulated gradient is the full batch's."""
-    if loss_type in _PER_SEQUENCE:
-        return (rows.stop - rows.start) / N
-    if loss_type == "bnpo":
-        return (tokens / num_items.clamp(min=1)).item()
-    return 1.0  # dapo, cispo: already divided by the whole batch's token count
-
-
 class PPOTrainer(GRPOTrainer):
     """PPO with a value model on the GRPO trainer's rollout, data and policy loss.
 
@@ -177,6 +168,25 @@ class PPOTrainer(GRPOTrainer):
                 ]
             )
 
+    def accumulate_value_gradients(self, batch: Rollout, old_values, returns, num_items) -> dict:
+        """Backward of the clipped value loss, a token mean over the whole batch, in micro-batches."""
+        config = self.config
+        N, C = batch.completion_mask.shape
+        micro = config.micro_batch_size or N
+        loss, clipped = 0.0, 0.0
+        for i in range(0, N, micro):
+            rows = slice(i, min(i + micro, N))
+            with autocast(self.device, self.bf16):
+                values = self.value_model(batch.input_ids[rows], batch.attention_mask[rows], C)
+            value_sum, clip_count = clipped_value_loss(
+                values, old_values[rows], returns[rows], batch.completion_mask[rows], config.cliprange_value
+            )
+            (value_sum / num_items.clamp(min=1)).backward()
+            loss += value_sum.item()
+            clipped += clip_count.item()
+        n = max(num_items.item(), 1)
+        return dict(value_loss=loss / n, value_clip_frac=clipped / n)
+
     def train_step(self) -> dict:
         """One PPO step: rollout, values, GAE, num_iterations optimizer steps of both models."""
         config = self.config
@@ -185,62 +195,39 @@ class PPOTrainer(GRPOTrainer):
         start = time.perf_counter()
         batch = self.make_rollout()
         mask = batch.completion_mask  # [N, C]
-        N, C = mask.shape
         old_values = self.rollout_values(batch)  # [N, C]
         scores = batch.advantages.rewards  # [N], the weighted reward sum
         advantages, returns = gae(terminal_rewards(scores, mask), old_values, mask, config.gamma, config.lam)
         if config.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
         batch = dataclasses.replace(batch, advantages=batch.advantages._replace(advantages=advantages))
-
-        micro = config.micro_batch_size or N
         num_items = mask.sum()
-        sums = dict(loss=0.0, value_loss=0.0, value_clip_frac=0.0, kl=0.0, clip_ratio_low=0.0,
-                    clip_ratio_high=0.0, clip_ratio_region=0.0, entropy=0.0)  # fmt: skip
+        max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
+        passes = []
         for _ in range(config.num_iterations):
-            for i in range(0, N, micro):
-                rows = slice(i, min(i + micro, N))
-                tokens = mask[rows].sum()
-                out = self._loss(batch, rows, num_items)
-                weight = micro_batch_weight(config.loss_type, rows, N, tokens, num_items)
-                (out.loss * weight).backward()
-                with autocast(self.device, self.bf16):
-                    values = self.value_model(batch.input_ids[rows], batch.attention_mask[rows], C)
-                value_sum, clip_count = clipped_value_loss(
-                    values, old_values[rows], returns[rows], mask[rows], config.cliprange_value
-                )
-                (value_sum / num_items.clamp(min=1)).backward()  # token mean over the whole batch
-
-                share = (tokens / num_items.clamp(min=1)).item() / config.num_iterations
-                sums["loss"] += out.loss.item() * weight / config.num_iterations
-                sums["value_loss"] += value_sum.item() / max(num_items.item(), 1) / config.num_iterations
-                sums["value_clip_frac"] += clip_count.item() / max(num_items.item(), 1) / config.num_iterations
-                for key in ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy"):
-                    value = getattr(out, key)
-                    sums[key] = None if value is None or sums[key] is None else sums[key] + value.item() * share
-            max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm).item()
-            value_grad_norm = torch.nn.utils.clip_grad_norm_(self.value_model.parameters(), max_norm).item()
+            sums = self.accumulate_gradients(batch, num_items)  # the policy, as GRPO does it
+            sums.update(self.accumulate_value_gradients(batch, old_values, returns, num_items))
+            sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm).item()
+            sums["value_grad_norm"] = torch.nn.utils.clip_grad_norm_(self.value_model.parameters(), max_norm).item()
             for optimizer, scheduler in ((self.optimizer, self.scheduler), (self.value_optimizer, self.value_scheduler)):
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+            passes.append(sums)
         self.step += 1
         elapsed = time.perf_counter() - start
 
         combined = batch.advantages.rewards
-        metrics = dict(
-            step=self.step,
-            reward_mean=combined.mean().item(),
-            reward_std=combined.std().item(),
-            **sums,
+        metrics = dict(step=self.step, reward_mean=combined.mean().item(), reward_std=combined.std().item())
+        for key in passes[0]:  # the mean over the num_iterations passes
+            values = [p[key] for p in passes]
+            metrics[key] = None if None in values else sum(values) / len(values)
+        metrics.update(
             value_mean=((old_values * mask).sum() / num_items.clamp(min=1)).item(),
             completion_len_mean=mask.sum(1).mean().item(),
             tokens_per_s=batch.attention_mask.sum().item() / elapsed,
             step_time_s=elapsed,
             peak_mem_bytes=self._peak_memory(),
-            grad_norm=grad_norm,
-            value_grad_norm=value_grad_norm,
             learning_rate=self.scheduler.get_last_lr()[0],
         )
         for k, name in enumerate(self.reward_names):

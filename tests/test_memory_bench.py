@@ -1,0 +1,83 @@
+"""The memory benchmark: the tiny preset end to end (JSON with every key, PNG), and clear errors."""
+
+import json
+
+import pytest
+
+from grpo_fast.bench import memory
+
+RESULT_KEYS = ("peak_bytes", "step_s", "params_bytes", "grads_bytes", "optimizer_bytes", "logits_bytes", "rest_bytes")
+
+
+@pytest.mark.slow
+def test_tiny_preset_writes_every_key(tmp_path, capsys):
+    json_path, plot_path = tmp_path / "memory.json", tmp_path / "memory.png"
+    argv = ["--preset", "tiny", "--repeats", "1", "--jobs", "4", "--json", str(json_path), "--plot", str(plot_path)]
+    code = memory.main(argv)
+    assert code == 0, capsys.readouterr().err
+    results = json.loads(json_path.read_text())
+    for name in memory.CONFIGS:
+        assert "error" not in results[name], results[name]
+        for key in RESULT_KEYS:
+            assert key in results[name], (name, key)
+        assert results[name]["peak_bytes"] > 0 and results[name]["step_s"] > 0
+    ppo, fused = results["ppo"], results["grpo_fused"]
+    # The states are exact: the critic is the policy's decoder plus a [1, H] head; AdamW holds
+    # two fp32 moments per trainable parameter; fused-linear never makes the logits tensor.
+    H, V = memory.PRESETS["tiny"]["model"]["hidden_size"], memory.PRESETS["tiny"]["model"]["vocab_size"]
+    assert fused["params_bytes"] == 4 * fused["num_params"] > 4 * V * H  # fp32, tied embedding counted once
+    assert ppo["params_bytes"] == 2 * fused["params_bytes"] + 4 * (H + 1)
+    for res in results.values():
+        if "optimizer_bytes" in res:
+            assert res["optimizer_bytes"] >= 2 * res["grads_bytes"]  # exp_avg, exp_avg_sq (+ step counters)
+    assert results["grpo_fused_linear"]["logits_bytes"] == 0
+    assert results["meta"]["settings"]["preset"] == "tiny"
+    assert set(results["meta"]["ratios"]) >= {"grpo_fused/ppo", "grpo_fused/grpo_eager"}
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "| config | peak MB |" in table and "grpo_fused_linear" in table
+
+
+def test_unknown_preset_is_a_clear_error(capsys):
+    with pytest.raises(ValueError, match=r"unknown preset 'huge'; choose one of \['100m', '1b', 'tiny'\]"):
+        memory.run_memory_benchmark(preset="huge")
+    assert memory.main(["--preset", "huge"]) == 2
+    assert "unknown preset 'huge'" in capsys.readouterr().err
+    from grpo_fast import cli
+
+    assert cli.main(["bench", "memory", "--preset", "huge"]) == 2
+    assert "unknown preset 'huge'" in capsys.readouterr().err
+
+
+def test_model_path_that_is_not_a_causal_lm(tmp_path):
+    from transformers import BertConfig, ViTConfig
+
+    with pytest.raises(ValueError, match="is not a model folder with a config.json"):
+        memory.run_memory_benchmark(preset="tiny", model=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="is not a model folder with a config.json"):
+        memory.run_memory_benchmark(preset="tiny", model=str(tmp_path))
+    masked_lm = tmp_path / "bert"
+    BertConfig(architectures=["BertForMaskedLM"]).save_pretrained(masked_lm)
+    with pytest.raises(ValueError, match=r"is not a causal LM \(model_type 'bert', architectures \['BertForMaskedLM'\]"):
+        memory.run_memory_benchmark(preset="tiny", model=str(masked_lm))
+    vision = tmp_path / "vit"
+    ViTConfig().save_pretrained(vision)
+    with pytest.raises(ValueError, match=r"is not a causal LM \(model_type 'vit'"):
+        memory.run_memory_benchmark(preset="tiny", model=str(vision))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(batch=6), r"batch=6 must be divisible by group_size=4"),
+        (dict(batch=0), r"batch must be an int >= 1"),
+        (dict(micro_batch=9), r"micro_batch must be in \[1, batch=8\]"),
+        (dict(configs=["ppo", "dpo"]), r"unknown configs \['dpo'\]"),
+        (dict(repeats=0), r"repeats must be >= 1"),
+        (dict(jobs=0), r"jobs must be >= 1"),
+    ],
+    ids=["batch-not-divisible", "batch-zero", "micro-batch-too-big", "unknown-config", "no-repeats", "no-jobs"],
+)
+def test_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        memory.run_memory_benchmark(preset="tiny", **kwargs)
