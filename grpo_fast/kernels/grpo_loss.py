@@ -93,7 +93,7 @@ def _grpo_loss_fwd_kernel(
     ref_ptr,  # [N] reference log-probs, read only if has_ref
     pg_weight_ptr,  # [N] aggregation weight * importance weight
     kl_weight_ptr,  # [N] aggregation weight * beta, read only if has_ref
-    pieces_ptr,  # [7, N] out, per token: loss term, then m * (kl, low, high, low | high, w, entropy);
+    pieces_ptr,  # [6 or 7, N] out, per token: loss term, then m * (kl, low, high, low | high, w[, entropy]);
     #              its dtype (float32, float64 for float64 logits) is the accumulation dtype
     N,
     T,
@@ -247,7 +247,7 @@ def grpo_loss_fwd(
     adv = _per_token(advantages, B, T, acc)
     old = _per_token(old_logprobs, B, T, acc)
     ref = _per_token(ref_logprobs, B, T, acc)
-    pieces = torch.zeros(7, N, dtype=acc, device=logits.device)
+    pieces = torch.empty(7 if return_entropy else 6, N, dtype=acc, device=logits.device)  # every row written
     if N > 0:
         block = block_size(V, block_v)
         eps_high = eps_low if eps_high is None else eps_high
