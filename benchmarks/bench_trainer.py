@@ -16,26 +16,17 @@ tokens/s counts prompt + completion tokens of the batch (completion tokens up to
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 
 import torch
 
+from grpo_fast.bench.measure import machine_info, quantiles
 from grpo_fast.tasks.arithmetic import arithmetic_reward, build_dataset, build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer, run_log
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "trainer_cpu.json")
-
-
-def quantiles(times: list) -> dict:
-    ordered = sorted(times)
-
-    def q(p):
-        return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
-
-    return {"median_s": statistics.median(ordered), "p20_s": q(0.2), "p80_s": q(0.8), "n": len(ordered)}
 
 
 def run_ours(args, steps: int) -> tuple:
@@ -184,13 +175,8 @@ def main():
         "benchmark": "trainer step on CPU (rollout + rewards + advantages + ref log-probs + update)",
         "setup": {k: v for k, v in vars(args).items() if k not in ("output", "no_trl")},
         "model": "demo Llama, hidden 64, 2 layers, vocab 15 (grpo_fast.tasks.arithmetic)",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "trl": trl_version,
-            "python": platform.python_version(),
-        },
-        "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "versions": {"transformers": transformers.__version__, "trl": trl_version},
+        "machine": machine_info(),
         "results": results,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -112,6 +112,23 @@ def test_micro_batches_give_the_full_batch_gradient(tmp_path, loss_type):
     assert rel_err(grads[1], grads[0]) < 1e-5
 
 
+def test_fused_linear_loss_gives_the_logits_path_gradient(tmp_path):
+    """fused_linear=True (loss from hidden states and the LM head) against the logits path."""
+    trainer = GRPOTrainer(small_config(tmp_path, beta=0.1, num_iterations=2, micro_batch_size=6))
+    batch = trainer.make_rollout()
+    num_items = batch.completion_mask.sum()
+    grads, metrics = [], []
+    for fused in (None, trainer._fused_loss()):
+        trainer.fused_linear_grpo_loss = fused
+        metrics.append(trainer.accumulate_gradients(batch, num_items))
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
+        trainer.optimizer.zero_grad(set_to_none=True)
+    assert grads[0].norm() > 0
+    assert rel_err(grads[1], grads[0]) < 1e-5
+    for key in ("loss", "kl", "entropy", "clip_ratio_region"):
+        assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-5, abs=1e-7), key
+
+
 def test_reference_is_none_copy_or_lora_without_adapters(tmp_path):
     assert GRPOTrainer(small_config(tmp_path, beta=0.0)).reference is None
     trainer = GRPOTrainer(small_config(tmp_path, beta=0.1))

@@ -236,7 +236,9 @@ class GRPOTrainer:
             if self.fused_linear_grpo_loss is not None:
                 head = self.policy.get_output_embeddings()
                 hidden = completion_hidden(self.policy, ids, mask, C)
-                return self.fused_linear_grpo_loss(hidden, head.weight, *args, bias=head.bias, **options)
+                return self.fused_linear_grpo_loss(
+                    hidden, head.weight, *args, bias=head.bias, return_entropy=True, **options
+                )
             logits = completion_logits(self.policy, ids, mask, C)
             return grpo_loss(logits, *args, return_entropy=True, **options)
 
