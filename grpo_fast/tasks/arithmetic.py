@@ -14,6 +14,7 @@ then EOS) and then the sums.
 
 import random
 import re
+from typing import Optional
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -24,9 +25,15 @@ CHARACTERS = tuple("0123456789+=")
 _NUMBER = re.compile(r"\d{1,3}")
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer: every character is one token; decoding joins them."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+def build_tokenizer(vocab_size: Optional[int] = None) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: every character is one token; decoding joins them.
+
+    ``vocab_size`` pads the vocabulary with unused tokens ``<w0>``, ``<w1>``, ... (benchmarks
+    use it to give a model a realistic LM-head width).
+    """
+    tokens = SPECIAL_TOKENS + CHARACTERS
+    tokens += tuple(f"<w{i}>" for i in range(max(0, (vocab_size or 0) - len(tokens))))
+    vocab = {token: i for i, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
@@ -39,20 +46,26 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> LlamaForCausalLM:
-    """A freshly initialised 2-layer Llama (hidden 64), about 0.1M parameters."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **sizes) -> LlamaForCausalLM:
+    """A freshly initialised 2-layer Llama (hidden 64), about 0.1M parameters.
+
+    ``sizes`` override the ``LlamaConfig`` (e.g. ``hidden_size``, ``num_hidden_layers``).
+    """
+    shape = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
+        **{**shape, **sizes},
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

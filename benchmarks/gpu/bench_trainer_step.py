@@ -1,0 +1,119 @@
+"""GPU timing of one GRPO trainer step at a realistic model size, logits path against fused-linear.
+
+A randomly initialised Llama (hidden 1024, 12 layers, vocabulary 32000, about 0.2B
+parameters; the demo's tokenizer padded to that vocabulary) trains on the arithmetic
+prompts: 64 completions per step (G = 8), 128 new tokens (a random model rarely stops
+early), beta = 0.04 (frozen reference copy), bf16 autocast. For each loss path, one warm-up
+step, then ``--steps`` timed steps; the JSON has the median step time, its split into
+rollout (generation, rewards, reference log-probs) and update, tokens/s, and the peak of
+``torch.cuda.max_memory_allocated`` over the step.
+
+    python benchmarks/gpu/bench_trainer_step.py             # CUDA, about 2 minutes on an H200
+    python benchmarks/gpu/bench_trainer_step.py --dry-run   # CPU, the demo-sized model, seconds
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from grpo_fast.bench.measure import machine_info
+from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+
+GPU_MODEL = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    max_position_embeddings=512,
+)
+DRY_MODEL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=64)
+GPU_RUN = dict(batch_size=64, group_size=8, max_new_tokens=128, beta=0.04)
+DRY_RUN = dict(batch_size=8, group_size=4, max_new_tokens=8, beta=0.04)
+
+
+def time_variant(fused_linear: bool, model_sizes: dict, run: dict, steps: int, device: str) -> dict:
+    """Median step / rollout / update seconds, tokens/s and peak memory of one loss path."""
+    sizes = dict(model_sizes)
+    tokenizer = build_tokenizer(sizes.pop("vocab_size"))
+    model = build_model(tokenizer, seed=0, **sizes)
+    config = GRPOConfig(
+        **run,
+        steps=steps + 1,
+        fused_linear=fused_linear,
+        device=device,
+        warmup_steps=0,
+        output_dir=tempfile.mkdtemp(prefix="bench-trainer-step-"),
+        progress=False,
+    )
+    trainer = GRPOTrainer(config, model=model, tokenizer=tokenizer)
+    rollout_times = []
+    make_rollout = trainer.make_rollout
+
+    def timed_rollout():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        batch = make_rollout()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        rollout_times.append(time.perf_counter() - start)
+        return batch
+
+    trainer.make_rollout = timed_rollout
+    history = [trainer.train_step() for _ in range(steps + 1)][1:]  # the first step warms up
+    step_s = statistics.median(m["step_time_s"] for m in history)
+    rollout_s = statistics.median(rollout_times[1:])
+    return {
+        "loss_path": "fused_linear_grpo_loss" if fused_linear else "grpo_loss on completion logits",
+        "step_s": step_s,
+        "rollout_s": rollout_s,
+        "update_s": step_s - rollout_s,
+        "tokens_per_s": statistics.median(m["tokens_per_s"] for m in history),
+        "completion_len_mean": statistics.mean(m["completion_len_mean"] for m in history),
+        "peak_mem_bytes": max(m["peak_mem_bytes"] for m in history),
+        "steps": steps,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, the demo-sized model, 2 steps")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per loss path (dry run: 1)")
+    parser.add_argument("--out", default=None, help="JSON path (default $OUT/trainer_step_gpu.json)")
+    args = parser.parse_args()
+    out_dir = os.environ.get("OUT", "benchmarks/results")
+    out = args.out or os.path.join(out_dir, "trainer_step_dryrun.json" if args.dry_run else "trainer_step_gpu.json")
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --dry-run for the CPU check of the code path")
+    device = "cpu" if args.dry_run else "cuda"
+    model_sizes, run = (DRY_MODEL, DRY_RUN) if args.dry_run else (GPU_MODEL, GPU_RUN)
+    steps = 1 if args.dry_run else args.steps
+
+    report = {
+        "benchmark": "GRPO trainer step (rollout with HF generate + update), bf16 autocast on CUDA",
+        "dry_run": args.dry_run,
+        "model": model_sizes,
+        "run": run,
+        "machine": machine_info(),
+        "results": [],
+    }
+    for fused_linear in (False, True):
+        row = time_variant(fused_linear, model_sizes, run, steps, device)
+        report["results"].append(row)
+        print(json.dumps(row), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
