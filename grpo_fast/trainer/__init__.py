@@ -2,6 +2,6 @@
 
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.grpo import GRPOTrainer
-from grpo_fast.trainer.rollout import Rollout, RewardError, rollout
+from grpo_fast.trainer.rollout import RewardError, Rollout
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "Rollout", "RewardError", "rollout"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "Rollout", "RewardError"]
