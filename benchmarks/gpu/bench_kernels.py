@@ -128,10 +128,14 @@ def check_loss(batch, importance_sampling):
     ref_logits = batch["full"][:, :-1].float().requires_grad_()
     want = reference.grpo_loss(ref_logits, *loss_args(batch), importance_sampling=importance_sampling, **LOSS_OPTIONS)
     (want_grad,) = torch.autograd.grad(want.loss, ref_logits)
-    errors = dict(loss=rel_err(out.loss, want.loss), grad=rel_err(grad, want_grad))
+    errors = dict(loss=rel_err(out.loss, want.loss), abs_loss=abs(out.loss.item() - want.loss.item()),
+                  grad=rel_err(grad, want_grad))  # fmt: skip
     del ref_logits, want_grad
     errors.update({f"abs_{m}": abs(getattr(out, m).item() - getattr(want, m).item()) for m in METRICS})
-    ok = errors["loss"] < 1e-4 and errors["grad"] < 1e-2 and all(errors[f"abs_{m}"] < 1e-4 for m in METRICS)
+    # A loss near 0 (advantages of both signs cancel) is checked in absolute terms; a metric
+    # may differ by one token (1 / 12000) flipping across a clip bound.
+    loss_ok = errors["loss"] < 1e-4 or errors["abs_loss"] < 1e-6
+    ok = loss_ok and errors["grad"] < 1e-2 and all(errors[f"abs_{m}"] < 1e-4 for m in METRICS)
     return dict(ok=ok, grad_dtype=str(grad.dtype), **errors)
 
 
