@@ -187,8 +187,9 @@ def test_fused_loss_low_precision(dtype):
     assert grad.dtype == dtype
 
 
-def test_fused_loss_single_token_rows():
-    batch = make_batch(3, 1, BLOCK + 1, seed=4)
+@pytest.mark.parametrize("V", [BLOCK - 1, BLOCK, BLOCK + 1])
+def test_fused_loss_single_token_rows(V):
+    batch = make_batch(3, 1, V, seed=4)
     batch["mask"][0] = 1  # rows: active, empty, active
     assert_matches_reference(batch, 1e-5, beta=0.04, return_entropy=True)
 
