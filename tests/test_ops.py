@@ -236,6 +236,7 @@ def test_dapo_microbatch_split_gives_same_gradient(backend, loss_type):
     assert rel_err(split.grad, full.grad) < 1e-6
 
 
+@pytest.mark.slow
 def test_no_float32_vocab_sized_temporaries(backend):
     """The fused path never materialises a float32 [B, T, V] tensor (the reference does)."""
     from torch.utils._python_dispatch import TorchDispatchMode
