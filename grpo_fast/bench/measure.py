@@ -52,10 +52,11 @@ def peak_rss_growth(fn) -> int:
     return max(0, peak_rss_bytes() - before)
 
 
-def run_isolated(argv: list, config: dict, timeout: float = 1800) -> dict:
-    """Runs ``argv + ["--worker", JSON]`` in a fresh interpreter; returns the JSON it prints last,
-    or ``{"error": last line of stderr}``."""
-    proc = subprocess.run([*argv, "--worker", json.dumps(config)], capture_output=True, text=True, timeout=timeout)
+def run_isolated(argv: list, config: dict, timeout: float = 1800, env=None) -> dict:
+    """Runs ``argv + ["--worker", JSON]`` in a fresh interpreter (environment ``env``, default
+    this one's); returns the JSON it prints last, or ``{"error": last line of stderr}``."""
+    command = [*argv, "--worker", json.dumps(config)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])

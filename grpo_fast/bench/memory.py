@@ -1,6 +1,6 @@
 """What PPO's critic costs: peak memory and time of one training step, PPO against GRPO.
 
-Each configuration runs one full training step of the trainer itself (everything after
+Each configuration runs full training steps of the trainer itself (everything after
 sampling: reference log-probs when beta != 0, the critic's values and GAE for PPO, group
 advantages for GRPO, forward, loss, backward, gradient clipping, AdamW step) on the same
 synthetic rollout batch, in its own fresh process:
@@ -10,12 +10,15 @@ synthetic rollout batch, in its own fresh process:
     grpo_fused         GRPOTrainer with grpo_fast.grpo_loss
     grpo_fused_linear  GRPOTrainer with grpo_fast.fused_linear_grpo_loss (no [B, T, V] logits)
 
-Peak memory is measured, not estimated: on CUDA ``torch.cuda.max_memory_allocated`` of the
-first step, on CPU the growth of the process's peak resident set from just before the model
-is built, so parameters, gradients and optimizer states are inside it. The analytic columns
-beside it are the exact sizes of those states and of the logits tensor; ``rest`` is what
-remains (activations, logits and temporaries). Step time is the median of ``repeats`` further
-steps.
+Peak memory is measured, not estimated, in the steady state: the peak of the second step,
+whose backward runs while AdamW's moments (created by the first step) are held. On CUDA it is
+``torch.cuda.max_memory_allocated``; on CPU the growth of the process's peak resident set
+from just before the model is built, with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_)
+so that every freed tensor leaves the resident set, as it leaves CUDA's allocated bytes;
+otherwise the peak also counts heap fragments that the allocator keeps. Parameters, gradients
+and optimizer states are inside the peak; the analytic columns beside it are their exact
+sizes and that of one micro-batch's logits tensor; ``rest`` is what remains (activations,
+logits and temporaries). Step time is the median of ``repeats`` further steps.
 
     grpo-fast bench memory --preset 100m --json memory.json --plot memory.png
     grpo-fast bench memory --model ./my-llama --batch 16
@@ -31,27 +34,30 @@ from typing import Optional
 
 CONFIGS = ("ppo", "grpo_eager", "grpo_fused", "grpo_fused_linear")
 
-# Model shapes (Llama-style, tied embeddings) and the rollout batch of each preset. ``100m``
-# is sized so that a CPU step takes seconds and the model's states are most of the memory,
-# as they are when a real run micro-batches a large model.
+# Model shapes (Llama-style, tied embeddings), the rollout batch and the micro-batch (sequences
+# per forward/backward, None = all) of each preset. ``100m`` accumulates gradients over four
+# micro-batches, as a run whose memory is tight does, so the model's states are most of it.
 PRESETS = {
     "tiny": dict(
         model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=4, vocab_size=1024),
-        batch=8, prompt_length=8, completion_length=16,
+        batch=8, micro_batch=None, prompt_length=8, completion_length=16,
     ),
     "100m": dict(
         model=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=10, num_attention_heads=12,
                    num_key_value_heads=12, vocab_size=32000),
-        batch=8, prompt_length=32, completion_length=96,
+        batch=8, micro_batch=2, prompt_length=32, completion_length=96,
     ),
     "1b": dict(  # TinyLlama-1.1B's shape; for a GPU (about 40 GB for PPO)
         model=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                    num_key_value_heads=4, vocab_size=32000),
-        batch=16, prompt_length=256, completion_length=512,
+        batch=16, micro_batch=4, prompt_length=256, completion_length=512,
     ),
 }  # fmt: skip
-_TOKENIZER_NOT_USED = object()  # the trainers need a tokenizer only to sample and to save
+_TOKENIZER_NOT_USED = object()
+# glibc raises its mmap threshold after each large free, so later tensors come from the heap and
+# freed ones stay resident; a fixed threshold keeps every tensor over 128 KiB in its own mapping.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # the trainers need a tokenizer only to sample and to save
 
 
 def preset_settings(preset: str) -> dict:
@@ -150,7 +156,7 @@ def _state_bytes(tensors) -> int:
 
 
 def worker(spec: dict) -> dict:
-    """One configuration's first step (peak memory) and ``repeats`` more (time); runs in a fresh process."""
+    """One configuration's peak over two steps and the time of ``repeats`` more; runs in a fresh process."""
     if spec["config"] == "grpo_eager":
         os.environ["GRPO_FAST_BACKEND"] = "reference"
     import torch
@@ -160,6 +166,8 @@ def worker(spec: dict) -> dict:
     from grpo_fast.trainer.ppo import PPOConfig, PPOTrainer
 
     name = spec["config"]
+    if spec["jobs"] > 1:  # processes side by side share the cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec["jobs"]))
     torch.manual_seed(0)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec["device"] == "auto" else spec["device"])
     cuda = device.type == "cuda"
@@ -185,13 +193,9 @@ def worker(spec: dict) -> dict:
     )
     trainer.fixed_batch = _synthetic_batch(N, P, C, V, device)
 
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    trainer.train_step()
-    if cuda:
-        peak = torch.cuda.max_memory_allocated(device) - baseline
-    else:
-        peak = peak_rss_bytes() - baseline
+    for _ in range(2):  # the first step creates the optimizer's moments; the second holds them in its backward
+        trainer.train_step()  # (on CUDA it resets the peak counter: the peak is the second step's)
+    peak = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss_bytes()) - baseline
     timing = time_fn(trainer.train_step, warmup=0, repeats=spec["repeats"])
 
     trainable = [p for p in trainer.policy.parameters() if p.requires_grad]
@@ -261,15 +265,17 @@ def run_memory_benchmark(
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
-    for key, value in (("batch", batch), ("prompt_length", prompt_length), ("completion_length", completion_length)):
+    overrides = dict(batch=batch, micro_batch=micro_batch, prompt_length=prompt_length,
+                     completion_length=completion_length)  # fmt: skip
+    for key, value in overrides.items():
         if value is not None:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be an int >= 1, got {value!r}")
             settings[key] = value
     if settings["batch"] % group_size:
         raise ValueError(f"batch={settings['batch']} must be divisible by group_size={group_size}")
-    if micro_batch is not None and not 1 <= micro_batch <= settings["batch"]:
-        raise ValueError(f"micro_batch must be in [1, batch={settings['batch']}], got {micro_batch!r}")
+    if settings["micro_batch"] is not None and settings["micro_batch"] > settings["batch"]:
+        raise ValueError(f"micro_batch must be in [1, batch={settings['batch']}], got {settings['micro_batch']!r}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats!r}")
     if jobs < 1:
@@ -277,14 +283,15 @@ def run_memory_benchmark(
 
     import grpo_fast
 
-    spec = dict(settings, model_path=model, preset=preset, micro_batch=micro_batch, group_size=group_size,
-                beta=beta, repeats=repeats, jobs=jobs, device=device)  # fmt: skip
+    spec = dict(settings, model_path=model, preset=preset, group_size=group_size, beta=beta, repeats=repeats,
+                jobs=jobs, device=device)  # fmt: skip
 
     def run(name):
         if name == "grpo_fused_linear" and not hasattr(grpo_fast, "fused_linear_grpo_loss"):
             result = {"error": "grpo_fast.fused_linear_grpo_loss is not available in this install"}
         else:
-            result = run_isolated([sys.executable, "-m", "grpo_fast.bench.memory"], dict(spec, config=name))
+            argv = [sys.executable, "-m", "grpo_fast.bench.memory"]
+            result = run_isolated(argv, dict(spec, config=name), env=dict(os.environ, **MALLOC_ENV))
         echo(f"{name}: {result}")
         return result
 
@@ -366,9 +373,9 @@ def plot_results(results: dict, path: str) -> None:
                     ha="center", va="bottom", fontsize=8)  # fmt: skip
     settings = results["meta"]["settings"]
     model = settings["model_path"] or f"preset {settings['preset']}"
-    ax.set_title(f"peak memory of one training step ({model}, {results[names[0]]['device'] if names else ''})\n"
-                 f"batch {settings['batch']} x ({settings['prompt_length']} + {settings['completion_length']}) "
-                 f"tokens, beta {settings['beta']}", fontsize=9)  # fmt: skip
+    ax.set_title(f"peak memory of a training step ({model}, {results[names[0]]['device'] if names else ''})\n"
+                 f"batch {settings['batch']} x ({settings['prompt_length']} + {settings['completion_length']}) tokens, "
+                 f"micro-batch {settings['micro_batch'] or settings['batch']}, beta {settings['beta']}", fontsize=9)  # fmt: skip
     ax.set_ylabel("MB (measured peak)")
     ax.set_ylim(0, max(bottom, default=1) * 1.45)  # headroom for the labels and the legend
     ax.legend(fontsize=7, loc="upper center", ncol=2)
@@ -387,7 +394,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, help="sequences per step (default: the preset's)")
     parser.add_argument("--prompt-length", type=int, help="prompt tokens per sequence (default: the preset's)")
     parser.add_argument("--completion-length", type=int, help="completion tokens per sequence (default: the preset's)")
-    parser.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: the whole batch)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: the preset's)")
     parser.add_argument("--group-size", type=int, default=4, help="G, completions per prompt (default 4)")
     parser.add_argument("--beta", type=float, default=0.0, help="KL weight; > 0 adds a frozen reference model (default 0)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), help=f"subset of {' '.join(CONFIGS)}")
