@@ -160,15 +160,19 @@ def main():
     if trl_version is not None:
         runners["trl"] = run_trl
     samples = {name: ([], []) for name in runners}
+    round_medians = {name: [] for name in runners}
     for _ in range(args.rounds):
         for name, run in runners.items():
             times, tokens = run(args, args.steps)
             samples[name][0].extend(times[args.warmup :])
             samples[name][1].extend(tokens[args.warmup :])
+            round_medians[name].append(statistics.median(times[args.warmup :]))
 
     results = {name: summarize(*samples[name]) for name in runners}
     if "trl" in results:
         results["speedup_steps_per_s"] = results["grpo_fast"]["steps_per_s"] / results["trl"]["steps_per_s"]
+        # Round by round, so the spread that load from other processes causes is visible.
+        results["speedup_per_round"] = [t / o for o, t in zip(round_medians["grpo_fast"], round_medians["trl"])]
     import transformers
 
     report = {
@@ -189,7 +193,8 @@ def main():
         spread = f"{r['p20_s'] * 1e3:.0f}-{r['p80_s'] * 1e3:.0f}"
         print(f"{name:<10} {r['steps_per_s']:8.2f} {r['tokens_per_s']:9.0f} {r['median_s'] * 1e3:10.1f} {spread:>14}")
     if "speedup_steps_per_s" in results:
-        print(f"grpo_fast / TRL steps/s: {results['speedup_steps_per_s']:.2f}x")
+        rounds = ", ".join(f"{r:.2f}x" for r in results["speedup_per_round"])
+        print(f"grpo_fast / TRL steps/s: {results['speedup_steps_per_s']:.2f}x (rounds: {rounds})")
     print(f"wrote {args.output}")
 
 
