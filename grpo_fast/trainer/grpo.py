@@ -121,10 +121,10 @@ class GRPOTrainer:
         return model.to(self.device).train()
 
     def _make_reference(self):
-        """None when beta == 0; the policy itself for LoRA (adapters off); else a frozen copy."""
+        """None when beta == 0; the policy itself for a peft policy (adapters off); else a frozen copy."""
         if self.config.beta == 0:
             return None
-        if self.config.lora_r > 0:
+        if hasattr(self.policy, "disable_adapter"):  # peft: lora_r > 0 or a PeftModel passed in
             return self.policy
         reference = copy.deepcopy(self.policy).eval()
         reference.requires_grad_(False)
