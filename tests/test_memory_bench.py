@@ -81,3 +81,22 @@ def test_model_path_that_is_not_a_causal_lm(tmp_path):
 def test_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         memory.run_memory_benchmark(preset="tiny", **kwargs)
+
+
+def test_worker_trains_a_saved_model(tmp_path):
+    # --model PATH: a causal LM saved with save_pretrained runs through the PPO worker (in this process).
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    memory.check_causal_lm(str(tmp_path / "llama"))
+    spec = dict(memory.preset_settings("tiny"), model_path=str(tmp_path / "llama"), preset="tiny", group_size=4,
+                beta=0.1, repeats=1, jobs=1, device="cpu", config="ppo")  # fmt: skip
+    result = memory.worker(spec)
+    params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    decoder = params - 50 * 16  # the critic copies the decoder, not the untied LM head
+    # held: policy, its frozen reference (beta > 0) and the critic (decoder + [1, 16] head + bias)
+    assert result["params_bytes"] == 4 * (2 * params + decoder + 17)
+    assert result["grads_bytes"] == 4 * (params + decoder + 17)
+    assert result["num_params"] == params and result["step_s"] > 0
