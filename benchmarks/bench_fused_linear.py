@@ -94,6 +94,8 @@ def loss_fn(impl: str, batch):
 def worker(config: dict) -> dict:
     import torch
 
+    if config["threads"]:
+        torch.set_num_threads(config["threads"])
     batch = make_batch(config["N"], config["H"], config["V"], getattr(torch, config["dtype"]))
     step = loss_fn(config["impl"], batch)
     losses = []
@@ -108,6 +110,10 @@ def main():
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per worker (0: torch's default). On a shared machine "
+        "1 avoids the OpenMP barrier waiting a scheduler slice for a descheduled thread at every parallel op"
+    )  # fmt: skip
     parser.add_argument("--liger-compiled", action="store_true", help="also time Liger with torch.compile")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one repeat (smoke test, no JSON)")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "fused_linear_cpu.json"))
@@ -123,7 +129,7 @@ def main():
         impls += ["liger"] + (["liger_compiled"] if args.liger_compiled else [])
     results = {}
     for impl in impls:
-        config = dict(impl=impl, N=N, H=H, V=V, dtype="float32", repeats=repeats)
+        config = dict(impl=impl, N=N, H=H, V=V, dtype="float32", repeats=repeats, threads=args.threads)
         results[impl] = {**config, **run_isolated(__file__, config, timeout=3600)}
         print(f"{impl}: {results[impl]}", file=sys.stderr)
 
@@ -144,12 +150,14 @@ def main():
             row["time / eager"] = f"{res['median_s'] / eager['median_s']:.2f}"
             row["peak / eager"] = f"{res['peak_bytes'] / eager['peak_bytes']:.3f}"
         rows.append(row)
-    print(f"N={N} tokens, H={H}, V={V}, float32, loss {LOSS}; fwd+bwd (grads of hidden and weight)")
+    threads = args.threads or "default"
+    print(f"N={N} tokens, H={H}, V={V}, float32, {threads} threads, loss {LOSS}; fwd+bwd (grads of hidden and weight)")
     print_table(rows, ["impl", "time s", "time / eager", "GFLOP/s (6NHV)", "peak MB", "peak / eager", "loss"])
     if not args.quick:
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"machine": machine_info(), "loss": LOSS, "results": list(results.values())}, f, indent=1)
+            json.dump({"machine": machine_info(), "load_average": os.getloadavg(), "loss": LOSS,
+                       "results": list(results.values())}, f, indent=1)  # fmt: skip
         print(f"wrote {args.json}")
 
 
