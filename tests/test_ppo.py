@@ -108,7 +108,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.slow
 def test_ppo_learns_the_demo_task(tmp_path, one_thread):
     # The demo task with a batch and learning rate at which 20 steps show the rise.
     config = PPOConfig(steps=20, batch_size=64, group_size=8, learning_rate=3e-3, beta=0.02, progress=False,
