@@ -6,9 +6,8 @@
         rewards  <- the sequence reward on each completion's last token            # (N, C)
         A, R     <- GAE(rewards, values; gamma, lambda); A whitened over active tokens
         for iteration in range(num_iterations):
-            for micro-batch:
-                policy: grpo_loss(logits, ids, A [N, C], ...)   (the fused ops, per-token A)
-                critic: clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2)
+            policy, per micro-batch: grpo_loss(logits, ids, A [N, C], ...)   (GRPO's own loop)
+            critic, per micro-batch: clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2)
             clip and step each model with its own AdamW
 
 Choices, so that PPO and GRPO differ only in where the advantages come from: the same
