@@ -1,4 +1,4 @@
-"""What PPO's critic costs: peak memory and time of one training step, PPO against GRPO.
+"""What PPO's critic costs: peak memory and time of a training step, PPO against GRPO.
 
 Each configuration runs full training steps of the trainer itself (everything after
 sampling: reference log-probs when beta != 0, the critic's values and GAE for PPO, group
@@ -56,10 +56,10 @@ PRESETS = {
         batch=16, micro_batch=4, prompt_length=256, completion_length=512,
     ),
 }  # fmt: skip
-_TOKENIZER_NOT_USED = object()
+_TOKENIZER_NOT_USED = object()  # the trainers need a tokenizer only to sample and to save
 # glibc raises its mmap threshold after each large free, so later tensors come from the heap and
 # freed ones stay resident; a fixed threshold keeps every tensor over 128 KiB in its own mapping.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # the trainers need a tokenizer only to sample and to save
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def preset_settings(preset: str) -> dict:
@@ -90,7 +90,7 @@ def check_causal_lm(path: str) -> None:
 
 # ---------------------------------------------------------------- the worker (one fresh process)
 def _synthetic_batch(N: int, P: int, C: int, V: int, device):
-    """A fixed rollout: prompts of P tokens, completions of C // 2..C tokens, rewards in {0, 1}."""
+    """A fixed rollout: prompts of P tokens, completions of C // 2 + 1 to C tokens, rewards in {0, 1}."""
     import torch
 
     g = torch.Generator().manual_seed(0)
