@@ -66,7 +66,9 @@ def run_fused(case, **options):
 
 def run_materialised(case, loss_fn, dtype, **options):
     """The same loss through materialised logits (hidden @ weight.T + bias) in ``dtype``."""
-    inputs = [x.detach().to(dtype).requires_grad_() for x in (case["hidden"], case["weight"], case["bias"]) if x is not None]
+    inputs = [
+        x.detach().to(dtype).requires_grad_() for x in (case["hidden"], case["weight"], case["bias"]) if x is not None
+    ]
     logits = inputs[0] @ inputs[1].T + (inputs[2] if len(inputs) == 3 else 0)
     out = loss_fn(logits, *batch_args(case), **options)
     return out, torch.autograd.grad(out.loss, inputs)
@@ -177,7 +179,7 @@ def test_frozen_weight_and_hidden_only():
     out = grpo_fast.fused_linear_grpo_loss(hidden, weight, *batch_args(case), bias=bias, chunk_size=4, beta=0.04)
     out.loss.backward()
     assert weight.grad is None and bias.grad is None
-    expected, expected_grads = run_materialised(case, reference.grpo_loss, torch.float64, beta=0.04)
+    _, expected_grads = run_materialised(case, reference.grpo_loss, torch.float64, beta=0.04)
     assert rel_err(hidden.grad, expected_grads[0]) < 1e-5
     # a frozen weight needs no [V, H] buffer
     assert fused_module._grad_buffers(hidden.view(15, -1), weight, bias, (True, False, False), True)[1] is None
@@ -265,7 +267,9 @@ def test_token_logprobs(return_entropy):
     out = grpo_fast.fused_linear_token_logprobs(
         h.requires_grad_(), w, case["ids"], bias=b, temperature=0.8, return_entropy=return_entropy, chunk_size=4
     )
-    expected = reference.token_logprobs((h @ w.T + b).double(), case["ids"], temperature=0.8, return_entropy=return_entropy)
+    expected = reference.token_logprobs(
+        (h @ w.T + b).double(), case["ids"], temperature=0.8, return_entropy=return_entropy
+    )
     if not return_entropy:
         out, expected = (out,), (expected,)
     for got, want in zip(out, expected):

@@ -106,7 +106,9 @@ def check(importance_sampling):
     want = reference.grpo_loss(upcast[0] @ upcast[1].T + upcast[2], *loss_args(batch), **options)
     want_grads = torch.autograd.grad(want.loss, upcast)
     errors = dict(loss=rel_err(out.loss, want.loss))
-    errors.update({f"grad_{name}": rel_err(g, w) for name, g, w in zip(("hidden", "weight", "bias"), grads, want_grads)})
+    errors.update(
+        {f"grad_{name}": rel_err(g, w) for name, g, w in zip(("hidden", "weight", "bias"), grads, want_grads)}
+    )
     return dict(check=f"fused_linear_grpo_loss {importance_sampling}", N=N, H=H, V=V, dtype="bfloat16",
                 passed=all(e < 1e-2 for e in errors.values()), **errors)  # fmt: skip
 
