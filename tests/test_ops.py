@@ -5,6 +5,7 @@ off powers of two. Each regime asserts that it really exercises what it names (e
 clipped regime has clipped tokens of both signs of A), so no case passes vacuously.
 """
 
+import importlib
 import math
 
 import pytest
@@ -237,9 +238,12 @@ def test_dapo_microbatch_split_gives_same_gradient(backend, loss_type):
 
 
 @pytest.mark.slow
-def test_no_float32_vocab_sized_temporaries(backend):
+def test_no_float32_vocab_sized_temporaries(backend, monkeypatch):
     """The fused path never materialises a float32 [B, T, V] tensor (the reference does)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch_path = importlib.import_module("grpo_fast.ops.token_logprobs")  # the module, not the op
+    monkeypatch.setattr(torch_path, "CHUNK_BYTES", 1 << 18)  # chunks of 16 rows: small test, many chunks
 
     class LargestFloat32(TorchDispatchMode):
         largest = 0
@@ -251,7 +255,7 @@ def test_no_float32_vocab_sized_temporaries(backend):
                     self.largest = max(self.largest, t.numel())
             return out
 
-    B, T, V = 8, 64, 4096  # 512 rows: several chunks
+    B, T, V = 8, 64, 4096
     case = make_case(B=B, T=T, V=V, dtype=torch.bfloat16, regime="clipped", seed=10)
     logits = case["logits"].detach().requires_grad_()
     with LargestFloat32() as mode:

@@ -18,8 +18,10 @@ from grpo_fast.ops._backend import select_backend
 from grpo_fast.ops._validate import check_ids, check_temperature, check_tensor
 
 # Rows per chunk are sized so that one chunk's float32 copy is about this many bytes: small
-# enough to stay in a CPU's L2/L3 while it is reused (log-sum-exp, gather, entropy).
-CHUNK_BYTES = 1 << 20
+# enough to stay in a CPU's L3 while it is reused (log-sum-exp, gather, entropy), large
+# enough that each op is worth waking the intra-op threads for. Measured on 2 cores
+# (bf16, V = 32768 and 151936): 16 MiB is 1.2-1.5x faster than 1 MiB, and 64 MiB no better.
+CHUNK_BYTES = 16 << 20
 
 
 def _accumulate_dtype(logits: torch.Tensor) -> torch.dtype:
