@@ -289,6 +289,11 @@ class GRPOTrainer:
         self.step += 1
         elapsed = time.perf_counter() - start
 
+        return self._step_metrics(batch, passes, elapsed)
+
+    def _step_metrics(self, batch: Rollout, passes: list, elapsed: float, **extra) -> dict:
+        """The step's log line: rollout statistics, the mean of each pass metric over the
+        num_iterations passes, throughput and memory, ``extra`` and the per-reward means."""
         combined = batch.advantages.rewards
         metrics = dict(
             step=self.step,
@@ -296,7 +301,7 @@ class GRPOTrainer:
             reward_std=combined.std().item(),
             frac_reward_zero_std=batch.advantages.frac_zero_std.item(),
         )
-        for key in passes[0]:  # loss metrics and grad norm: the mean over the num_iterations passes
+        for key in passes[0]:
             values = [p[key] for p in passes]
             metrics[key] = None if None in values else sum(values) / len(values)
         metrics.update(
@@ -305,6 +310,7 @@ class GRPOTrainer:
             step_time_s=elapsed,
             peak_mem_bytes=self._peak_memory(),
             learning_rate=self.scheduler.get_last_lr()[0],
+            **extra,
         )
         for k, name in enumerate(self.reward_names):
             column = batch.rewards[:, k]

@@ -216,23 +216,8 @@ class PPOTrainer(GRPOTrainer):
         self.step += 1
         elapsed = time.perf_counter() - start
 
-        combined = batch.advantages.rewards
-        metrics = dict(step=self.step, reward_mean=combined.mean().item(), reward_std=combined.std().item())
-        for key in passes[0]:  # the mean over the num_iterations passes
-            values = [p[key] for p in passes]
-            metrics[key] = None if None in values else sum(values) / len(values)
-        metrics.update(
-            value_mean=((old_values * mask).sum() / num_items.clamp(min=1)).item(),
-            completion_len_mean=mask.sum(1).mean().item(),
-            tokens_per_s=batch.attention_mask.sum().item() / elapsed,
-            step_time_s=elapsed,
-            peak_mem_bytes=self._peak_memory(),
-            learning_rate=self.scheduler.get_last_lr()[0],
-        )
-        for k, name in enumerate(self.reward_names):
-            column = batch.rewards[:, k]
-            metrics[f"rewards/{name}"] = column.nanmean().item() if not column.isnan().all() else None
-        return metrics
+        value_mean = ((old_values * mask).sum() / num_items.clamp(min=1)).item()
+        return self._step_metrics(batch, passes, elapsed, value_mean=value_mean)
 
     def resume(self, path: Optional[str] = None) -> int:
         raise NotImplementedError("the PPO baseline does not resume: its checkpoints hold the policy, not the critic")
