@@ -44,17 +44,22 @@ def worker(config: dict) -> dict:
     old, ref = logp + 0.1 * torch.randn(B, T), logp + 0.3 * torch.randn(B, T)
     adv, mask = torch.randn(B), torch.ones(B, T)
     impl, nograd = config["impl"], config["name"].startswith("logprobs")
-    setup = None
+    logprobs_fn = {"eager": reference.token_logprobs}.get(impl, grpo_fast.token_logprobs)
+    loss_fn = {"eager": reference.grpo_loss}.get(impl, grpo_fast.grpo_loss)
+    if impl == "trl":  # TRL's own path: selective_log_softmax, then its per-token formula (= the reference's)
+        from trl.trainer.utils import selective_log_softmax as logprobs_fn
 
+        def loss_fn(logits, ids, *args, **options):
+            return reference.policy_loss(logprobs_fn(logits, ids), *args, **options)
+
+    setup = None
     if nograd:
-        fn = reference.token_logprobs if impl == "eager" else grpo_fast.token_logprobs
 
         def step():
             with torch.no_grad():
-                fn(logits, ids)
+                logprobs_fn(logits, ids)
 
     else:
-        loss_fn = reference.grpo_loss if impl == "eager" else grpo_fast.grpo_loss
         extra = {"inplace_backward": True} if impl == "fused_inplace" else {}
         logits.requires_grad_()
         if impl == "fused_inplace":  # the gradient overwrites the logits: restore them, untimed
@@ -86,8 +91,10 @@ def main():
     cases = QUICK_CASES if args.quick else CASES
     repeats = 1 if args.quick else args.repeats
     results, rows = [], []
+    competitors = {mod: importlib.util.find_spec(mod) is not None for mod in ("trl", "liger_kernel")}
     for name, B, T, V, dtype in cases:
         impls = IMPLS if not name.startswith("logprobs") else ("eager", "fused")
+        impls += ("trl",) if competitors["trl"] else ()
         by_impl = {}
         for impl in impls:
             config = dict(name=name, impl=impl, B=B, T=T, V=V, dtype=dtype, repeats=repeats)
@@ -107,12 +114,13 @@ def main():
                 row[f"{impl} mem ratio"] = f"{res['peak_bytes'] / max(eager['peak_bytes'], 1):.2f}"
         rows.append(row)
 
-    competitors = {name: importlib.util.find_spec(mod) is not None for name, mod in (("trl", "trl"), ("liger_kernel", "liger_kernel"))}
-    columns = ["case", "dtype", "tokens", "V", "eager s", "fused s", "fused speed-up", "eager peak MB",
-               "fused peak MB", "fused mem ratio", "fused_inplace peak MB", "fused_inplace mem ratio"]  # fmt: skip
+    columns = ["case", "dtype", "tokens", "V", "eager s", "fused s", "fused speed-up", "fused_inplace speed-up",
+               "trl speed-up", "eager peak MB", "fused peak MB", "fused mem ratio", "fused_inplace mem ratio",
+               "trl mem ratio"]  # fmt: skip
     print_table(rows, columns)
-    print(f"\ninstalled competitors: {competitors} (TRL's loss lives inside GRPOTrainer and Liger's logits-level "
-          "GRPO loss is a CUDA Triton kernel: neither runs as a standalone CPU op)")  # fmt: skip
+    print(f"\ninstalled competitors: {competitors}. trl = TRL's selective_log_softmax + its per-token loss "
+          "(its columns, like ours, are relative to eager); Liger-Kernel's logits-level GRPO loss is a CUDA "
+          "Triton kernel, so it is timed in benchmarks/gpu/run_all.sh, not here.")  # fmt: skip
     if not args.quick:
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:
