@@ -42,6 +42,7 @@ import torch  # noqa: E402
 
 import grpo_fast  # noqa: E402
 from grpo_fast import reference  # noqa: E402
+from grpo_fast.bench.measure import cuda_peak_extra_bytes, rel_err  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_fused_linear import LOSS, make_batch  # noqa: E402  (the CPU benchmark's batch)
@@ -70,23 +71,6 @@ def bench(fn, repeats=ARGS.repeats):
         sync()
         samples.append((time.perf_counter() - start) * 1e3)
     return dict(median_ms=statistics.median(samples), min_ms=min(samples), max_ms=max(samples))
-
-
-def peak_extra_bytes(fn):
-    """Peak bytes allocated during one call on top of what existed before it (CUDA only)."""
-    if DEVICE != "cuda":
-        return None
-    sync()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    sync()
-    return torch.cuda.max_memory_allocated() - base
-
-
-def rel_err(out, ref):
-    out, ref = out.detach().double(), ref.detach().double()
-    return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
 def loss_args(batch):
@@ -174,7 +158,7 @@ def main():
     rate = report["matmul"]["rate_tflops"]
     for name, step in steps(batch).items():
         try:
-            row = dict(impl=name, **bench(step), peak_extra_bytes=peak_extra_bytes(step))
+            row = dict(impl=name, **bench(step), peak_extra_bytes=cuda_peak_extra_bytes(step, DEVICE))
         except Exception as error:  # e.g. eager out of memory
             row = dict(impl=name, error=f"{type(error).__name__}: {error}"[:500])
         else:

@@ -40,6 +40,7 @@ import triton  # noqa: E402
 
 import grpo_fast  # noqa: E402
 from grpo_fast import reference  # noqa: E402
+from grpo_fast.bench.measure import cuda_peak_extra_bytes, rel_err  # noqa: E402
 
 START = time.perf_counter()
 DEVICE = "cpu" if ARGS.dry_run else "cuda"
@@ -69,18 +70,6 @@ def bench(fn):
             samples.append((time.perf_counter() - start) * 1e3)
         median, p20, p80 = statistics.median(samples), min(samples), max(samples)
     return dict(median_ms=median, p20_ms=p20, p80_ms=p80)
-
-
-def peak_extra_bytes(fn):
-    """Peak bytes allocated by one call on top of what existed before it (CUDA only)."""
-    if DEVICE != "cuda":
-        return None
-    sync()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    sync()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def copy_bandwidth_gbps():
@@ -113,11 +102,6 @@ def make_batch(B, T, V, *, ragged):
 
 def loss_args(batch):
     return batch["ids"], batch["advantages"], batch["mask"], batch["old_logprobs"], batch["ref_logprobs"]
-
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
 def check_loss(batch, importance_sampling):
@@ -231,7 +215,7 @@ def time_variants(batch, N, V):
                 t = bench(fn)
                 row.update(t, GBps=floor_bytes / (t["median_ms"] * 1e-3) / 1e9,
                            fraction_of_floor=floor_bytes / bw / (t["median_ms"] * 1e-3),
-                           peak_extra_bytes=peak_extra_bytes(fn))  # fmt: skip
+                           peak_extra_bytes=cuda_peak_extra_bytes(fn, DEVICE))  # fmt: skip
             except Exception as e:  # a competitor failing must not hide the other rows
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)

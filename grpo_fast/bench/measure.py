@@ -52,6 +52,27 @@ def peak_rss_growth(fn) -> int:
     return max(0, peak_rss_bytes() - before)
 
 
+def cuda_peak_extra_bytes(fn, device: str):
+    """Peak bytes allocated during one call of ``fn`` on top of what existed before it;
+    None (and ``fn`` not called) off CUDA, where the allocator keeps no such count."""
+    if device != "cuda":
+        return None
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (tensors are detached first)."""
+    out, ref = out.detach().double(), ref.detach().double()
+    return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
 def run_isolated(argv: list, config: dict, timeout: float = 1800, env=None) -> dict:
     """Runs ``argv + ["--worker", JSON]`` in a fresh interpreter (environment ``env``, default
     this one's); returns the JSON it prints last, or ``{"error": last line of stderr}``."""
