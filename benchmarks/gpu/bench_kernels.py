@@ -232,7 +232,7 @@ def sweep_fused_configs(batch, N, V):
     """The fused loss (in-place, fwd+bwd) under launch knobs: vocabulary block, warps, and
     programs = rows in flight (each program loops over rows; fewer rows in flight keep the
     second sweep of each row in L2). Defaults: one program per row, block 4096, 8 warps."""
-    from grpo_fast.kernels.grpo_loss import grpo_loss_triton
+    from grpo_fast.ops.grpo_loss import fused_grpo_loss
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 2
     configs = [(4096, 8, None), (4096, 8, sms), (4096, 8, 2 * sms), (4096, 8, 4 * sms), (8192, 16, sms),
@@ -243,7 +243,7 @@ def sweep_fused_configs(batch, N, V):
     for block_v, warps, programs in configs:
         def step():
             x = batch["full"][:, :-1].detach().requires_grad_()
-            out = grpo_loss_triton(x, *loss_args(batch), inplace_backward=True, block_v=block_v, warps=warps,
+            out = fused_grpo_loss(x, *loss_args(batch), inplace_backward=True, block_v=block_v, warps=warps,
                                    programs=programs, importance_sampling="token", **LOSS_OPTIONS)  # fmt: skip
             torch.autograd.grad(out.loss, x)
 

@@ -1,8 +1,8 @@
 """The token-level GRPO loss in one launch: log-probs, policy math and dL/dlogits together.
 
-Order: the per-token policy terms, the forward kernel, the gradient-rescale kernel, the
-launchers, the autograd.Function, the entry point ``grpo_loss_triton`` that
-``grpo_fast.ops.grpo_loss`` dispatches to for ``importance_sampling="token"``.
+Order: the per-token policy terms, the forward kernel, the gradient-rescale kernel, their
+launchers ``grpo_loss_fwd`` and ``scale_grad_``; the autograd.Function around them is in
+``grpo_fast/ops/grpo_loss.py``, which takes this path for ``importance_sampling="token"``.
 
 The loss is terminal, so once a row's log-sum-exp is known so is its coefficient
 ``c = dL/dlogp`` and the same program writes ``dL/dlogits = c * (onehot(id) - p) / tau``:
@@ -287,58 +287,3 @@ def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, block_v: Optional[int] 
         grad, *grad.stride(), scale.reshape(1), T, V, BLOCK_V=block, num_warps=num_warps(block)
     )
     return grad
-
-
-class FusedGradFunction(torch.autograd.Function):
-    """Attaches dL/dlogits, already written by the forward kernel, to the loss value."""
-
-    @staticmethod
-    def forward(ctx, logits, loss, grad):
-        ctx.save_for_backward(grad)
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        (grad,) = ctx.saved_tensors
-        return scale_grad_(grad, grad_loss), None, None
-
-
-def grpo_loss_triton(
-    logits: torch.Tensor,
-    ids: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    old_logprobs: Optional[torch.Tensor] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    *,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    inplace_backward: bool = False,
-    block_v: Optional[int] = None,
-    programs: Optional[int] = None,
-    warps: Optional[int] = None,
-    **options,
-) -> LossOutput:
-    """``grpo_fast.grpo_loss`` for ``importance_sampling="token"`` in one launch (arguments
-    already validated; ``options`` are the policy-loss keywords of ``grpo_fast.grpo_loss``).
-
-    The gradient is computed in the forward when ``logits.requires_grad`` under grad mode,
-    into a new [B, T, V] buffer or, with ``inplace_backward``, into the logits themselves
-    (their values are destroyed by the forward, not the backward). Backward runs once.
-    """
-    if options.get("importance_sampling", "token") != "token":
-        raise ValueError("the fused Triton loss is token-level; sequence-level ratios take the two-pass path")
-    write_grad = torch.is_grad_enabled() and logits.requires_grad
-    grad = None
-    if write_grad:
-        grad = logits.detach() if inplace_backward else torch.empty_like(logits)
-    kernel_options = {k: v for k, v in options.items() if k != "importance_sampling"}
-    with torch.no_grad():
-        out = grpo_loss_fwd(
-            logits.detach(), ids, advantages, mask, old_logprobs, ref_logprobs, grad,
-            temperature=temperature, return_entropy=return_entropy, block_v=block_v, programs=programs, warps=warps,
-            **kernel_options,
-        )  # fmt: skip
-    if not write_grad:
-        return out
-    return out._replace(loss=FusedGradFunction.apply(logits, out.loss, grad))

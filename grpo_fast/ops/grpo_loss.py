@@ -1,9 +1,11 @@
 """grpo_loss: the clipped GRPO loss (and its relatives) straight from the logits.
 
-The vocabulary-sized work is :class:`TokenLogprobsFunction` (one chunked or Triton pass
-forward, one backward, no [B, T, V] float32 temporaries); the per-token policy math runs
-on [B, T] tensors with ``reference.policy_loss``, the spec itself, since at [B, T] it
-costs nothing next to the vocabulary sweep and every variant stays in one readable place.
+Two paths. On CUDA with token-level ratios, one Triton launch computes the loss, the
+metrics and dL/dlogits together (:class:`FusedGradFunction` attaches that gradient, which
+backward only rescales). Otherwise the vocabulary-sized work is :class:`TokenLogprobsFunction`
+(one chunked or Triton pass forward, one backward, no [B, T, V] float32 temporaries) and the
+per-token policy math runs on [B, T] tensors with ``reference.policy_loss``, the spec itself,
+since at [B, T] it costs nothing next to the vocabulary sweep.
 """
 
 from typing import Optional
@@ -15,6 +17,66 @@ from grpo_fast.ops._backend import select_backend
 from grpo_fast.ops._validate import check_ids, check_loss_options, check_temperature, check_tensor
 from grpo_fast.ops.token_logprobs import TokenLogprobsFunction
 from grpo_fast.outputs import LossOutput
+
+
+class FusedGradFunction(torch.autograd.Function):
+    """Attaches dL/dlogits, already written by the forward kernel, to the loss value."""
+
+    @staticmethod
+    def forward(ctx, logits, loss, grad):
+        ctx.save_for_backward(grad)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors
+        from grpo_fast.kernels.grpo_loss import scale_grad_
+
+        return scale_grad_(grad, grad_loss), None, None
+
+
+def fused_grpo_loss(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    old_logprobs: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    inplace_backward: bool = False,
+    block_v: Optional[int] = None,
+    programs: Optional[int] = None,
+    warps: Optional[int] = None,
+    **options,
+) -> LossOutput:
+    """``grpo_loss`` for ``importance_sampling="token"`` in one Triton launch (arguments
+    already validated; ``options`` are the policy-loss keywords of ``grpo_loss``; ``block_v``,
+    ``programs`` and ``warps`` are launch knobs of ``kernels.grpo_loss.grpo_loss_fwd``).
+
+    The gradient is computed in the forward when ``logits.requires_grad`` under grad mode,
+    into a new [B, T, V] buffer or, with ``inplace_backward``, into the logits themselves
+    (their values are destroyed by the forward, not the backward). Backward runs once.
+    """
+    if options.get("importance_sampling", "token") != "token":
+        raise ValueError("the fused Triton loss is token-level; sequence-level ratios take the two-pass path")
+    write_grad = torch.is_grad_enabled() and logits.requires_grad
+    grad = None
+    if write_grad:
+        grad = logits.detach() if inplace_backward else torch.empty_like(logits)
+    from grpo_fast.kernels.grpo_loss import grpo_loss_fwd
+
+    kernel_options = {k: v for k, v in options.items() if k != "importance_sampling"}
+    with torch.no_grad():
+        out = grpo_loss_fwd(
+            logits.detach(), ids, advantages, mask, old_logprobs, ref_logprobs, grad,
+            temperature=temperature, return_entropy=return_entropy, block_v=block_v, programs=programs, warps=warps,
+            **kernel_options,
+        )  # fmt: skip
+    if not write_grad:
+        return out
+    return out._replace(loss=FusedGradFunction.apply(logits, out.loss, grad))
 
 
 def grpo_loss(
@@ -106,9 +168,7 @@ def grpo_loss(
             temperature=temperature, return_entropy=return_entropy, **options,
         )  # fmt: skip
     if backend == "triton" and importance_sampling == "token":
-        from grpo_fast.kernels.grpo_loss import grpo_loss_triton
-
-        return grpo_loss_triton(
+        return fused_grpo_loss(
             logits, ids, advantages, mask, old_logprobs, ref_logprobs,
             temperature=temperature, return_entropy=return_entropy, inplace_backward=inplace_backward, **options,
         )  # fmt: skip
