@@ -24,6 +24,11 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALES = ("group", "batch", "none")
 
 
+def accumulate_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype every op computes in: float64 for float64 inputs, float32 for the rest."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_size: Optional[int] = None,
@@ -66,8 +71,7 @@ def token_logprobs(
 
     With ``return_entropy`` also returns the per-token entropy [B, T] (detached).
     """
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logprobs_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    logprobs_all = torch.log_softmax(logits.to(accumulate_dtype(logits)) / temperature, dim=-1)
     logp = logprobs_all.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1)
     if not return_entropy:
         return logp

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.token_logprobs import _row_grad, _row_logsumexp, accumulate_dtype, block_size, num_warps
+from grpo_fast.kernels.token_logprobs import _row_grad, _row_logsumexp, block_size, num_warps
+from grpo_fast.reference import accumulate_dtype
 from grpo_fast.outputs import LossOutput
 
 LOSS_KINDS = {"cispo": 1, "sapo": 2}  # every other loss type is the clipped family, kind 0

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from grpo_fast.reference import accumulate_dtype
+
 # Largest vocabulary block per loop step; tests lower it so that tiny vocabularies span blocks.
 MAX_BLOCK_V = 4096
 
@@ -155,10 +157,6 @@ def block_size(V: int, block_v: Optional[int] = None) -> int:
             raise ValueError(f"block_v must be a power of two, got {block_v}")
         return block_v
     return min(MAX_BLOCK_V, triton.next_power_of_2(V))
-
-
-def accumulate_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def num_warps(block: int) -> int:

@@ -113,7 +113,7 @@ def _logprobs_sweep(hidden2d, weight, bias, ids, temperature, rows, backend, ret
     chunk's logits z [n, V] as soon as its log-probs are known, and may overwrite z."""
     fwd, _ = _kernels(backend)
     N = hidden2d.shape[0]
-    acc = torch.float64 if hidden2d.dtype == torch.float64 else torch.float32
+    acc = reference.accumulate_dtype(hidden2d)
     logp = torch.empty(N, dtype=acc, device=hidden2d.device)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if return_entropy else None
@@ -152,8 +152,7 @@ class FusedLinearGRPOFunction(torch.autograd.Function):
         # hold the old log-probs (ratio 1); their values do not matter, since with
         # token-level ratios a token's g depends on its own logp only.
         old = policy.keywords["old_logprobs"]
-        grid = torch.zeros(B, T, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
-                           device=hidden.device)  # fmt: skip
+        grid = torch.zeros(B, T, dtype=reference.accumulate_dtype(hidden), device=hidden.device)
         if old is not None:
             grid.copy_(old)
 

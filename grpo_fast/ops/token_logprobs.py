@@ -24,10 +24,6 @@ from grpo_fast.ops._validate import check_ids, check_temperature, check_tensor
 CHUNK_BYTES = 16 << 20
 
 
-def _accumulate_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
 def _row_chunks(tensors, rows: int):
     """Yields ``(chunks, flat row slice)``: the same ``[n, V]`` rows of each tensor [B, T, V].
 
@@ -56,7 +52,7 @@ def logprobs_fwd_torch(logits: torch.Tensor, ids: torch.Tensor, temperature: flo
     """Chunked forward. logits [B, T, V] (any strides), ids [B, T] ->
     logp [B, T], lse [B, T] (of logits / temperature), entropy [B, T] or None; float32."""
     B, T, V = logits.shape
-    acc = _accumulate_dtype(logits)
+    acc = reference.accumulate_dtype(logits)
     logp = torch.empty(B * T, dtype=acc, device=logits.device)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if return_entropy else None
@@ -81,7 +77,7 @@ def logprobs_bwd_torch(
 ):
     """Chunked backward: writes dL/dlogits into ``out`` [B, T, V] (may be ``logits`` itself)."""
     B, T, V = logits.shape
-    acc = _accumulate_dtype(logits)
+    acc = reference.accumulate_dtype(logits)
     coef = (grad_logp.to(acc) / temperature).reshape(-1, 1)  # g / tau, [B*T, 1]
     flat_ids = ids.reshape(-1, 1).long()
     flat_lse = lse.reshape(-1, 1)
