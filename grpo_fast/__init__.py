@@ -3,6 +3,7 @@
 from grpo_fast.ops import group_advantages, grpo_loss, token_logprobs
 from grpo_fast.ops import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_fast.outputs import GroupAdvantages, LossOutput
+from grpo_fast.spec import LossConfig
 
 __version__ = "0.1.0"
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "fused_linear_token_logprobs",
     "GroupAdvantages",
     "LossOutput",
+    "LossConfig",
     "__version__",
 ]

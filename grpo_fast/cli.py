@@ -13,10 +13,12 @@ import argparse
 import dataclasses
 import os
 import sys
+import types
 import typing
 
-from grpo_fast.bench import memory as memory_bench
 from grpo_fast.trainer.config import GRPOConfig
+
+BENCHMARKS = {"memory": "peak memory and step time of one training step: ppo, grpo_eager, grpo_fused, grpo_fused_linear"}
 
 # Short names the issue and README use for config fields.
 _ALIASES = {"output_dir": ["--output"], "group_size": ["-G"]}
@@ -26,7 +28,8 @@ def _flag_type(field: dataclasses.Field):
     """(argparse type, nargs) for a config field: Optional[X] -> X, list -> nargs '+'."""
     annotation = field.type
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    base = args[0] if typing.get_origin(annotation) is typing.Union and args else annotation
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    base = args[0] if union and args else annotation
     if base is list or typing.get_origin(base) is list:
         return str, "+"
     return base, None
@@ -55,21 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(GRPOConfig):
         names = [f"--{field.name.replace('_', '-')}"] + _ALIASES.get(field.name, [])
         kind, nargs = _flag_type(field)
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        common = dict(dest=field.name, default=None, help=f"{field.metadata['help']} (default: {default})")
         if kind is bool:
-            options.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=None)
+            options.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
         elif nargs:
             element = _number_or_str if field.name == "reward_weights" else str
-            options.add_argument(*names, dest=field.name, nargs=nargs, type=element, default=None)
+            options.add_argument(*names, nargs=nargs, type=element, **common)
         else:
-            options.add_argument(*names, dest=field.name, type=kind, default=None, metavar=field.name.upper())
-    bench = commands.add_parser("bench", help="benchmarks: grpo-fast bench memory (PPO's critic against GRPO)")
-    memory = bench.add_subparsers(dest="benchmark", required=True).add_parser(
-        "memory",
-        help="peak memory and step time of one training step: ppo, grpo_eager, grpo_fused, grpo_fused_linear",
-        description=memory_bench.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+            options.add_argument(*names, type=kind, metavar=field.name.upper(), **common)
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks: grpo-fast bench memory (PPO's critic against GRPO)",
+        description="\n".join(f"{name}: {text}" for name, text in BENCHMARKS.items()),
     )
-    memory_bench.add_arguments(memory)
+    bench.add_argument("benchmark", choices=list(BENCHMARKS), help="which benchmark")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="its options (grpo-fast bench NAME --help)")
     return parser
 
 
@@ -121,7 +125,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return memory_bench.command(args) if args.command == "bench" else train(args)
+        if args.command == "bench":  # the benchmark's module is imported only when it runs
+            from grpo_fast.bench import memory
+
+            return memory.main(args.options, prog=f"{parser.prog} bench {args.benchmark}")
+        return train(args)
     except (ValueError, FileNotFoundError, CheckpointError, RewardError) as exc:
         print(f"grpo-fast: error: {exc}", file=sys.stderr)
         return 2

@@ -37,3 +37,4 @@ class LossOutput(NamedTuple):
     clip_ratio_region: torch.Tensor
     ratio_mean: torch.Tensor
     entropy: Optional[torch.Tensor]
+

@@ -2,45 +2,36 @@
 
 Everything here is plain PyTorch in float32 (float64 if given float64), written to be read,
 not to be fast: it materialises ``[B, T, V]`` temporaries freely. Tests and benchmarks
-compare every backend against these functions. Where TRL's ``GRPOTrainer`` has an option,
-the numbers here are TRL's (see ``GRPOTrainer._compute_loss``); the other options follow
-their papers (DAPO, Dr. GRPO, GSPO, CISPO, SAPO, verl's dual clip).
-
-The vocabulary-sized work (``token_logprobs``) is separate from the per-token policy math
-(``policy_loss``), which works on ``[B, T]`` tensors only; the fused backends compute the
-log-probs their own way and share nothing with this file but its outputs.
+compare every backend against these functions. Production code calls only
+``group_advantages`` (the CPU path: O(N) rewards, the spec is fast enough) and the forced
+``GRPO_FAST_BACKEND=reference``; the policy math it runs lives in ``grpo_fast/ops/``. Where
+TRL's ``GRPOTrainer`` has an option, the numbers here are TRL's (``_compute_loss`` and
+``_generate_and_score_completions``); the other options follow their papers (DAPO,
+Dr. GRPO, GSPO, CISPO, SAPO, verl's dual clip). What varies by loss type (the policy term,
+the aggregation, the clip metrics) is read from the loss spec, ``grpo_fast/spec.py``.
 """
-
-from typing import Optional
 
 import torch
 
 from grpo_fast.outputs import GroupAdvantages, LossOutput
-
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-IMPORTANCE_LEVELS = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-SCALES = ("group", "batch", "none")
+from grpo_fast.spec import IMPORTANCE_LEVELS, LossConfig, accumulate_dtype, loss_metrics, per_token_loss
 
 
-def accumulate_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype every op computes in: float64 for float64 inputs, float32 for the rest."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+def nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """Unbiased (Bessel) std over the values of ``x`` that are not NaN; NaN with fewer than two."""
+    count = (~x.isnan()).sum(dim=dim)
+    mean = x.nanmean(dim=dim, keepdim=dim is not None)
+    var = ((x - mean) ** 2).nansum(dim=dim) / (count - 1).clamp(min=1)
+    return torch.where(count > 1, var.sqrt(), torch.full_like(var, float("nan")))
 
 
-def group_advantages(
-    rewards: torch.Tensor,
-    group_size: Optional[int] = None,
-    *,
-    scale: str = "group",
-    eps: float = 1e-4,
-    reward_weights: Optional[torch.Tensor] = None,
-) -> GroupAdvantages:
+def group_advantages(rewards, group_size=None, *, scale="group", eps=1e-4, reward_weights=None) -> GroupAdvantages:
     """Group-relative advantages, as TRL computes them.
 
     rewards: [N] with ``group_size``; [num_groups, G] without; [N, K] (one column per reward
-    function) with ``group_size``. NaN means "not scored" and counts as 0 in the weighted sum.
+    function) with ``group_size``. NaN means "not scored": it counts as 0 in the weighted sum
+    over functions, and a completion no function scored is left out of its group's mean and
+    std and gets advantage 0.
     """
     r = rewards.float()
     if r.dim() == 2 and group_size is None:  # [num_groups, G]
@@ -48,25 +39,24 @@ def group_advantages(
         r = r.reshape(-1, 1)
     elif r.dim() == 1:
         r = r.unsqueeze(1)
-    w = torch.ones(r.shape[1], device=r.device) if reward_weights is None else reward_weights.float()
-    combined = (r * w).nansum(dim=1)  # [N]
+    w = torch.ones(r.shape[1]) if reward_weights is None else torch.as_tensor(reward_weights, dtype=torch.float32)
+    unscored = r.isnan().all(dim=1)  # [N]
+    combined = (r * w.to(r.device)).nansum(dim=1).masked_fill(unscored, float("nan"))  # [N]
     grouped = combined.view(-1, group_size)  # [num_groups, G]
-    mean = grouped.mean(dim=1)
-    std = grouped.std(dim=1)
+    mean = grouped.nanmean(dim=1)
+    std = nanstd(grouped, dim=1)
     centred = combined - mean.repeat_interleave(group_size)
     if scale == "group":
         adv = centred / (std.repeat_interleave(group_size) + eps)
     elif scale == "batch":
-        adv = centred / (combined.std() + eps)
+        adv = centred / (nanstd(combined) + eps)
     else:
         adv = centred
     frac_zero_std = torch.isclose(std, torch.zeros_like(std)).float().mean()
-    return GroupAdvantages(adv, combined, mean, std, frac_zero_std)
+    return GroupAdvantages(adv.nan_to_num(nan=0.0), combined, mean, std, frac_zero_std)
 
 
-def token_logprobs(
-    logits: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0, return_entropy: bool = False
-):
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0, return_entropy: bool = False):
     """log_softmax(logits / temperature) gathered at ids: [B, T, V], [B, T] -> [B, T] float32.
 
     With ``return_entropy`` also returns the per-token entropy [B, T] (detached).
@@ -82,118 +72,49 @@ def token_logprobs(
 def policy_loss(
     logp: torch.Tensor,
     advantages: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    old_logprobs: Optional[torch.Tensor] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
+    mask: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
     *,
-    beta: float = 0.0,
-    eps_low: float = 0.2,
-    eps_high: Optional[float] = None,
-    delta: Optional[float] = None,
-    loss_type: str = "grpo",
-    importance_sampling: str = "token",
-    max_completion_length: Optional[int] = None,
     num_items_in_batch=None,
-    importance_weights: Optional[torch.Tensor] = None,
-    dual_clip: Optional[float] = None,
-    kl_estimator: str = "k3",
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    entropy: Optional[torch.Tensor] = None,
+    importance_weights: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    **options,
 ) -> LossOutput:
     """The GRPO family of losses from per-token log-probs ``logp`` [B, T] (differentiable).
 
-    See :func:`grpo_loss` for the arguments; ``entropy`` [B, T] is only averaged for logging.
+    ``options`` are the fields of :class:`grpo_fast.LossConfig`; see :func:`grpo_fast.grpo_loss`
+    for the rest. ``entropy`` [B, T] is only averaged for logging.
     """
-    eps_high = eps_low if eps_high is None else eps_high
+    c = LossConfig(**options)
     B, T = logp.shape
     m = torch.ones_like(logp) if mask is None else mask.to(logp.dtype)
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(1) if adv.dim() == 1 else adv  # [B, 1] or [B, T]
     old = logp.detach() if old_logprobs is None else old_logprobs.to(logp.dtype)
 
-    log_ratio = logp - old
-    if importance_sampling == "sequence":  # GSPO: one ratio per sequence, [B, 1]
-        log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    w = torch.exp(log_ratio)
-
-    if loss_type == "cispo":
-        pg = -torch.clamp(w, max=eps_high).detach() * adv * logp
-    elif loss_type == "sapo":
-        tau = torch.where(adv > 0, adv.new_tensor(sapo_tau_pos), adv.new_tensor(sapo_tau_neg))
-        pg = -torch.sigmoid(tau * (w - 1)) * 4 / tau * adv
-    else:
-        w2 = torch.clamp(w, 1 - eps_low, 1 + eps_high)
-        w1 = torch.clamp(w, max=delta) if delta is not None else w
-        pg = -torch.min(w1 * adv, w2 * adv)
-        if dual_clip is not None:
-            pg = torch.where(adv < 0, torch.min(pg, -adv * dual_clip), pg)
-    if importance_weights is not None:
-        iw = importance_weights.to(logp.dtype)
-        pg = pg * (iw.unsqueeze(1) if iw.dim() == 1 else iw)
-
-    kl = None
-    if ref_logprobs is not None:
-        d = ref_logprobs.to(logp.dtype) - logp
-        if kl_estimator == "k3":
-            kl = torch.exp(d) - d - 1
-        elif kl_estimator == "k1":
-            kl = -d
-        else:
-            kl = d * d / 2
-    per_token = pg + beta * kl if (beta != 0.0 and kl is not None) else pg
-    per_token = per_token.expand(B, T)
-
-    if loss_type in ("grpo", "sapo"):
-        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
-        loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
-        loss = (per_token * m).sum() / (B * max_completion_length)
-    elif loss_type in ("dapo", "cispo"):
-        n = m.sum() if num_items_in_batch is None else num_items_in_batch
-        loss = (per_token * m).sum() / n
-    else:  # luspo
-        loss = (per_token * m).sum(-1).mean()
-
-    # Metrics, TRL's definitions: token-level values are averaged over active tokens,
-    # sequence-level ratios ([B, 1]) over sequences.
-    with torch.no_grad():
-        n_active = m.sum().clamp(min=1.0)
-
-        def batch_mean(x):  # [B, 1] at T = 1 is still token-level: masked tokens do not count
-            return x.float().mean() if x.shape[1] == 1 and importance_sampling == "sequence" else (x * m).sum() / n_active
-
-        if loss_type == "cispo":
-            low = torch.zeros_like(w, dtype=torch.bool)
-            high = (w > eps_high) & (adv > 0)
-        else:
-            low = (w < 1 - eps_low) & (adv < 0)
-            high = (w > 1 + eps_high) & (adv > 0)
-        metrics = dict(
-            kl=None if kl is None else batch_mean(kl.detach()).float(),
-            clip_ratio_low=batch_mean(low.to(m.dtype)).float(),
-            clip_ratio_high=batch_mean(high.to(m.dtype)).float(),
-            clip_ratio_region=batch_mean((low | high).to(m.dtype)).float(),
-            ratio_mean=batch_mean(w.detach()).float(),
-            entropy=None if entropy is None else batch_mean(entropy.to(m.dtype)).float(),
-        )
-    return LossOutput(loss=loss, **metrics)
+    w = torch.exp(IMPORTANCE_LEVELS[c.importance_sampling](logp - old, m))  # [B, T], or [B, 1] for GSPO
+    iw = None if importance_weights is None else importance_weights.to(logp.dtype)
+    iw = iw.unsqueeze(1) if iw is not None and iw.dim() == 1 else iw
+    ref = None if ref_logprobs is None else ref_logprobs.to(logp.dtype)
+    per_token, kl = per_token_loss(w, logp, adv, ref, iw, c)
+    loss = (per_token.expand(B, T) * c.aggregation.token_weights(m, c, num_items_in_batch)).sum()
+    return LossOutput(loss=loss, **loss_metrics(w, adv, kl, entropy, m, c))
 
 
 def grpo_loss(
     logits: torch.Tensor,
     ids: torch.Tensor,
     advantages: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    old_logprobs: Optional[torch.Tensor] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
+    mask: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
     *,
-    temperature: float = 1.0,
     return_entropy: bool = False,
     **options,
 ) -> LossOutput:
     """The GRPO loss from full logits [B, T, V]: token_logprobs, then policy_loss."""
+    temperature = options.get("temperature", 1.0)
     out = token_logprobs(logits, ids, temperature=temperature, return_entropy=return_entropy)
     logp, entropy = out if return_entropy else (out, None)
     return policy_loss(logp, advantages, mask, old_logprobs, ref_logprobs, entropy=entropy, **options)

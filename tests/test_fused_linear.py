@@ -14,7 +14,7 @@ from conftest import rel_err
 
 import grpo_fast
 from grpo_fast import reference
-from grpo_fast.reference import LOSS_TYPES
+from grpo_fast.spec import LOSS_TYPES
 
 # The module, not the function of the same name that grpo_fast.ops exports.
 fused_module = importlib.import_module("grpo_fast.ops.fused_linear_grpo_loss")

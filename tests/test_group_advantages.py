@@ -50,13 +50,38 @@ def test_grouped_2d_input_equals_flat(backend):
 
 def test_reward_columns_weights_and_nan(backend):
     """[N, K] columns: weighted nansum, NaN = that function did not score the sample."""
-    columns = torch.tensor([[1.0, float("nan")], [0.0, 1.0], [float("nan"), float("nan")], [1.0, 1.0]])
+    columns = torch.tensor([[1.0, float("nan")], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
     weights = torch.tensor([2.0, 0.5])
     out = grpo_fast.group_advantages(columns, 2, reward_weights=weights)
-    combined = [2.0, 0.5, 0.0, 2.5]
+    combined = [2.0, 0.5, 2.5, 0.0]
     assert out.rewards.tolist() == combined
     assert rel_err(out.advantages, torch.tensor(by_hand(combined, 2, "group"), dtype=torch.float64)) < 1e-6
     assert torch.isfinite(out.advantages).all()
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_unscored_completions_are_left_out(backend, scale):
+    """A completion no reward function scored (every column NaN) is left out of its group's
+    mean and std and of the batch std, and gets advantage 0 (TRL); a group with one scored
+    completion has no std, and its one advantage is 0."""
+    nan = float("nan")
+    columns = torch.tensor([[1.0, nan], [0.0, 1.0], [nan, nan], [1.0, 1.0], [nan, 0.0], [0.0, 0.0],
+                            [nan, nan], [3.0, nan], [nan, nan]])  # fmt: skip
+    weights = [2.0, 0.5]  # a list, as TRL's config holds it
+    out = grpo_fast.group_advantages(columns, 3, scale=scale, reward_weights=weights)
+    scored = [2.0, 0.5, 2.5, 0.0, 0.0]
+    assert torch.isnan(out.rewards[[2, 6, 8]]).all()
+    assert out.rewards[[0, 1, 3, 4, 5, 7]].tolist() == scored + [6.0]
+    everyone = statistics.stdev(scored + [6.0])
+    div = {"group": None, "batch": everyone + 1e-4, "none": 1.0}[scale]
+    first = by_hand([2.0, 0.5], 2, "group" if div is None else "none")
+    second = by_hand([2.5, 0.0, 0.0], 3, "group" if div is None else "none")
+    if div is not None:
+        first, second = [a / div for a in first], [a / div for a in second]
+    want = first[:2] + [0.0] + second + [0.0, 0.0, 0.0]
+    assert rel_err(out.advantages, torch.tensor(want, dtype=torch.float64)) < 1e-6
+    assert out.mean[2].item() == 6.0 and math.isnan(out.std[2].item())
+    assert out.frac_zero_std.item() == 0.0
 
 
 def test_eps_and_dtype(backend):

@@ -22,7 +22,7 @@ import grpo_fast
 import grpo_fast.kernels.token_logprobs as triton_logprobs
 from grpo_fast import reference
 from grpo_fast.kernels.group_advantages import group_advantages_triton
-from grpo_fast.reference import LOSS_TYPES
+from grpo_fast.spec import LOSS_TYPES
 
 BLOCK = 16
 DEVICE = "cuda" if os.environ.get("GRPO_FAST_TEST_CUDA") == "1" and torch.cuda.is_available() else "cpu"

@@ -14,7 +14,7 @@ from conftest import rel_err
 
 import grpo_fast
 from grpo_fast import reference
-from grpo_fast.reference import LOSS_TYPES
+from grpo_fast.spec import LOSS_TYPES
 
 BACKENDS = ["torch", "triton"]  # triton: the kernels under TRITON_INTERPRET=1 on CPU
 
@@ -302,7 +302,8 @@ def _good_args():
         (lambda c, o: o.update(delta=0.5), ValueError, "delta must be"),
         (lambda c, o: o.update(dual_clip=1.0), ValueError, "dual_clip must be"),
         (lambda c, o: o.update(importance_weights=torch.ones(5)), ValueError, "importance_weights must have shape"),
-        (lambda c, o: o.update(num_items_in_batch=0), ValueError, "num_items_in_batch must be"),
+        (lambda c, o: o.update(num_items_in_batch=-1), ValueError, "num_items_in_batch must be"),
+        (lambda c, o: o.update(num_items_in_batch=torch.tensor(-2.0)), ValueError, "num_items_in_batch must be"),
     ],
 )
 def test_bad_input(backend, mutate, error, match):

@@ -17,7 +17,8 @@ from grpo_fast import reference
 from grpo_fast.tasks.arithmetic import arithmetic_reward, build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer, RewardError
 from grpo_fast.trainer import checkpoint as ckpt
-from grpo_fast.trainer.rollout import completion_logits, completion_logprobs, generate, score
+from grpo_fast.trainer.generators.hf import HFGenerator
+from grpo_fast.trainer.rollout import completion_logits, completion_logprobs, score
 from grpo_fast.trainer.run_log import METRIC_KEYS, TIMING_KEYS, read_metrics
 
 SMALL = dict(batch_size=16, group_size=4, max_new_tokens=3, progress=False)
@@ -35,8 +36,10 @@ def test_generate_masks_stop_at_first_eos_and_logprobs_match_sampler():
     first EOS, and the recomputed log-probs equal those of the distribution that sampled."""
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=1)
-    prompts = ["1+2=", "9+0=11+", "3+", "4+4="] * 2
-    input_ids, attention_mask, completion_mask, completions = generate(model, tokenizer, prompts, max_new_tokens=6)
+    prompts = ["1+2=", "9+0=11+", "3+", "4+4="]
+    generator = HFGenerator(model, tokenizer, GRPOConfig(max_new_tokens=6))
+    input_ids, attention_mask, completion_mask, completions, _ = generator.generate(prompts, 2)
+    prompts = [p for p in prompts for _ in range(2)]
     C = completion_mask.shape[1]
     completion_ids = input_ids[:, -C:]
     eos = tokenizer.eos_token_id
@@ -98,7 +101,7 @@ def test_score_none_is_nan_and_extra_columns_reach_the_function():
 def test_micro_batches_give_the_full_batch_gradient(tmp_path, loss_type):
     """Gradient accumulation over micro-batches of 3 (uneven) equals one full-batch backward."""
     trainer = GRPOTrainer(small_config(tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2))
-    batch = trainer.make_rollout()
+    batch = trainer.compute_advantages(trainer.make_rollout())
     assert batch.old_logprobs is not None and batch.ref_logprobs is not None
     num_items = batch.completion_mask.sum()
     grads = []
@@ -115,11 +118,11 @@ def test_micro_batches_give_the_full_batch_gradient(tmp_path, loss_type):
 def test_fused_linear_loss_gives_the_logits_path_gradient(tmp_path):
     """fused_linear=True (loss from hidden states and the LM head) against the logits path."""
     trainer = GRPOTrainer(small_config(tmp_path, beta=0.1, num_iterations=2, micro_batch_size=6))
-    batch = trainer.make_rollout()
+    batch = trainer.compute_advantages(trainer.make_rollout())
     num_items = batch.completion_mask.sum()
     grads, metrics = [], []
-    for fused in (None, trainer._fused_loss()):
-        trainer.fused_linear_grpo_loss = fused
+    for fused in (False, True):
+        trainer.config.fused_linear = fused
         metrics.append(trainer.accumulate_gradients(batch, num_items))
         grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
         trainer.optimizer.zero_grad(set_to_none=True)

@@ -109,8 +109,7 @@ def _synthetic_batch(N: int, P: int, C: int, V: int, device):
 
 def _fixed_rollout_trainer(base):
     """``base`` (GRPOTrainer or PPOTrainer) whose rollout is ``self.fixed_batch`` instead of
-    sampling: the rest of the rollout (advantages, old and reference log-probs) runs as usual."""
-    from grpo_fast import group_advantages
+    sampling: the rest of the rollout (old and reference log-probs) and the step run as usual."""
     from grpo_fast.trainer.rollout import Rollout, completion_logprobs, reference_context
 
     class FixedRolloutTrainer(base):
@@ -134,7 +133,6 @@ def _fixed_rollout_trainer(base):
                 attention_mask=mask,
                 completion_mask=batch["completion_mask"],
                 rewards=batch["rewards"],
-                advantages=group_advantages(batch["rewards"], config.group_size, scale=config.advantage_scale),
                 old_logprobs=old,
                 ref_logprobs=ref,
             )
@@ -360,15 +358,13 @@ TABLE_COLUMNS = ["config", "peak MB", "x ppo", "1st step MB", "step s", "params 
 
 def plot_results(results: dict, path: str) -> None:
     """Stacked bars of the measured peak: parameters, gradients, optimizer states, the rest."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's plotting backend is left alone
 
     names = [n for n in CONFIGS if n in results and "error" not in results[n]]
     parts = [("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer states"),
              ("rest_bytes", "activations, logits, temporaries")]  # fmt: skip
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     bottom = [0.0] * len(names)
     for key, label in parts:
         heights = [max(results[n][key], 0) / 2**20 for n in names]
@@ -389,7 +385,6 @@ def plot_results(results: dict, path: str) -> None:
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------- command line
@@ -436,8 +431,8 @@ def command(args: argparse.Namespace) -> int:
     return 1 if any("error" in results[n] for n in CONFIGS if n in results) else 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

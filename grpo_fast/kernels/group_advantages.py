@@ -4,13 +4,15 @@ Order: the tile helper, the kernel, the launcher ``group_advantages_triton``.
 
 A single program walks the groups in tiles of [BLOCK_GROUPS, BLOCK_G] (a few thousand
 rewards: one launch costs more than the arithmetic, so one program is enough and the batch
-std needs no cross-program reduction). For a group of G combined rewards c:
+std needs no cross-program reduction). For a group of G combined rewards c, of which the
+n scored ones (some reward function returned a number, s_i = 1) count:
 
     c_i   = nansum_k(r_ik * w_k)
-    mean  = sum_i c_i / G,   std = sqrt(sum_i (c_i - mean)^2 / (G - 1))       (Bessel)
+    mean  = sum_i s_i c_i / n,   std = sqrt(sum_i s_i (c_i - mean)^2 / (n - 1))   (Bessel; NaN if n < 2)
     adv_i = (c_i - mean) / (std + eps)        "group"
-            (c_i - mean) / (batch_std + eps)  "batch" (std of all N combined rewards)
+            (c_i - mean) / (batch_std + eps)  "batch" (std of every scored combined reward)
             c_i - mean                        "none"
+    adv_i = 0 where s_i = 0 or the division is NaN, and c_i = NaN where s_i = 0 (as TRL)
 """
 
 import torch
@@ -25,16 +27,19 @@ MAX_TILE = 1024  # rewards per tile
 
 @triton.jit
 def _combined_tile(rewards_ptr, weights_ptr, g0, num_groups, G, K, BLOCK_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Returns (c [BLOCK_GROUPS, BLOCK_G] combined rewards (0 outside), sample index, valid mask)."""
+    """Returns (c [BLOCK_GROUPS, BLOCK_G] combined rewards (0 outside), sample index, valid
+    mask, scored mask: valid and scored by at least one reward function)."""
     groups = g0 + tl.arange(0, BLOCK_GROUPS)[:, None]
     members = tl.arange(0, BLOCK_G)[None, :]
     valid = (groups < num_groups) & (members < G)
     sample = groups * G + members
     c = tl.zeros([BLOCK_GROUPS, BLOCK_G], tl.float32)
+    scored = tl.zeros([BLOCK_GROUPS, BLOCK_G], tl.int1)
     for k in range(0, K):
-        r = tl.load(rewards_ptr + sample * K + k, mask=valid, other=0.0) * tl.load(weights_ptr + k)
-        c += tl.where(r == r, r, 0.0)  # NaN (not scored) counts as 0, as nansum
-    return c, sample, valid
+        r = tl.load(rewards_ptr + sample * K + k, mask=valid, other=float("nan"))
+        c += tl.where(r == r, r * tl.load(weights_ptr + k), 0.0)  # NaN (not scored) counts as 0, as nansum
+        scored = scored | (r == r)
+    return c, sample, valid, scored
 
 
 @triton.jit
@@ -54,26 +59,33 @@ def _group_advantages_kernel(
     BLOCK_GROUPS: tl.constexpr,
     BLOCK_G: tl.constexpr,
 ):
-    N = num_groups * G
     batch_std = 0.0
     if SCALE == 1:
         total = tl.zeros([BLOCK_GROUPS, BLOCK_G], tl.float32)
+        count = tl.zeros([BLOCK_GROUPS, BLOCK_G], tl.float32)
         for g0 in range(0, num_groups, BLOCK_GROUPS):
-            c, sample, valid = _combined_tile(rewards_ptr, weights_ptr, g0, num_groups, G, K, BLOCK_GROUPS, BLOCK_G)
-            total += c
-        batch_mean = tl.sum(tl.sum(total, 1), 0) / N
+            c, sample, valid, scored = _combined_tile(
+                rewards_ptr, weights_ptr, g0, num_groups, G, K, BLOCK_GROUPS, BLOCK_G
+            )
+            total += tl.where(scored, c, 0.0)
+            count += tl.where(scored, 1.0, 0.0)
+        n = tl.sum(tl.sum(count, 1), 0)
+        batch_mean = tl.sum(tl.sum(total, 1), 0) / tl.maximum(n, 1.0)
         m2 = tl.zeros([BLOCK_GROUPS, BLOCK_G], tl.float32)
         for g0 in range(0, num_groups, BLOCK_GROUPS):
-            c, sample, valid = _combined_tile(rewards_ptr, weights_ptr, g0, num_groups, G, K, BLOCK_GROUPS, BLOCK_G)
-            diff = tl.where(valid, c - batch_mean, 0.0)
+            c, sample, valid, scored = _combined_tile(
+                rewards_ptr, weights_ptr, g0, num_groups, G, K, BLOCK_GROUPS, BLOCK_G
+            )
+            diff = tl.where(scored, c - batch_mean, 0.0)
             m2 += diff * diff
-        batch_std = tl.sqrt(tl.sum(tl.sum(m2, 1), 0) / (N - 1))
+        batch_std = tl.where(n > 1, tl.sqrt(tl.sum(tl.sum(m2, 1), 0) / tl.maximum(n - 1, 1.0)), float("nan"))
     zero_std = tl.zeros([BLOCK_GROUPS], tl.float32)
     for g0 in range(0, num_groups, BLOCK_GROUPS):
-        c, sample, valid = _combined_tile(rewards_ptr, weights_ptr, g0, num_groups, G, K, BLOCK_GROUPS, BLOCK_G)
-        mean = tl.sum(c, 1) / G
-        centred = tl.where(valid, c - mean[:, None], 0.0)
-        std = tl.sqrt(tl.sum(centred * centred, 1) / (G - 1))
+        c, sample, valid, scored = _combined_tile(rewards_ptr, weights_ptr, g0, num_groups, G, K, BLOCK_GROUPS, BLOCK_G)
+        n = tl.sum(tl.where(scored, 1.0, 0.0), 1)
+        mean = tl.where(n > 0, tl.sum(tl.where(scored, c, 0.0), 1) / tl.maximum(n, 1.0), float("nan"))
+        centred = tl.where(scored, c - mean[:, None], 0.0)
+        std = tl.where(n > 1, tl.sqrt(tl.sum(centred * centred, 1) / tl.maximum(n - 1, 1.0)), float("nan"))
         groups = g0 + tl.arange(0, BLOCK_GROUPS)
         tl.store(mean_ptr + groups, mean, mask=groups < num_groups)
         tl.store(std_ptr + groups, std, mask=groups < num_groups)
@@ -84,8 +96,8 @@ def _group_advantages_kernel(
             adv = centred / (batch_std + eps)
         else:
             adv = centred
-        tl.store(combined_ptr + sample, c, mask=valid)
-        tl.store(adv_ptr + sample, adv, mask=valid)
+        tl.store(combined_ptr + sample, tl.where(scored, c, float("nan")), mask=valid)
+        tl.store(adv_ptr + sample, tl.where(scored & (adv == adv), adv, 0.0), mask=valid)
     tl.store(frac_zero_std_ptr, tl.sum(zero_std, 0) / num_groups)
 
 
@@ -98,13 +110,13 @@ def group_advantages_triton(
     reward_weights=None,
     block_groups=None,
 ) -> GroupAdvantages:
-    """rewards [N] or [N, K] (arguments already validated), group size G -> GroupAdvantages,
-    as ``reference.group_advantages``. ``block_groups`` (a power of two) sets the tile height."""
+    """rewards [N] or [N, K] (arguments already validated; reward_weights a [K] tensor on
+    the rewards' device), group size G -> GroupAdvantages, as ``reference.group_advantages``. ``block_groups`` (a power of two) sets the tile height."""
     r = rewards.float()
     r = (r.unsqueeze(1) if r.dim() == 1 else r).contiguous()  # [N, K]
     N, K = r.shape
     num_groups = N // G
-    w = torch.ones(K, device=r.device) if reward_weights is None else reward_weights.float().contiguous()
+    w = torch.ones(K, device=r.device) if reward_weights is None else reward_weights.float().contiguous()  # [K]
     adv = torch.empty(N, dtype=torch.float32, device=r.device)
     combined = torch.empty_like(adv)
     mean = torch.empty(num_groups, dtype=torch.float32, device=r.device)

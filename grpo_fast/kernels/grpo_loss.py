@@ -11,8 +11,8 @@ L2) and the gradient is written once. With L = sum_t weight_t * (iw_t * pg_t + b
 
     c_t = weight_t * iw_t * dpg_t/dlogp + weight_t * beta * dkl_t/dlogp
 
-where weight_t = dL/dper_token_t is the aggregation (grpo: m / (B * len_b), bnpo: m / sum m,
-...), computed in torch on [B, T]. The kernel writes, per token, the weighted loss term and
+where weight_t = dL/dper_token_t is the loss type's aggregation (grpo: m / (B * len_b), bnpo:
+m / sum m, ...), the loss spec's token weights (``grpo_fast/spec.py``) prepared on [B, T] in torch. The kernel writes, per token, the weighted loss term and
 the metrics' masked pieces (KL, clip flags, ratio, entropy); one ``sum`` over them gives the
 loss and every metric. Padding rows are not read: zero terms, zero gradient. Backward only
 multiplies by the incoming gradient, and only when it is not 1, deciding on the device (no
@@ -20,23 +20,16 @@ host sync). Scalars (beta, eps, delta, temperature, ...) are runtime arguments: 
 them does not recompile.
 """
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
 from grpo_fast.kernels.token_logprobs import _row_grad, _row_logsumexp, block_size, num_warps
-from grpo_fast.reference import accumulate_dtype
-from grpo_fast.outputs import LossOutput
-
-LOSS_KINDS = {"cispo": 1, "sapo": 2}  # every other loss type is the clipped family, kind 0
-KL_KINDS = {"k3": 0, "k1": 1, "k2": 2}
 
 
 @triton.jit
 def _policy_terms(
-    logp, old, adv, ref, has_old, eps_low, eps_high, delta, dual_clip, tau_pos, tau_neg, loss_kind, kl_kind
+    logp, old, adv, ref, has_old, eps_low, eps_high, delta, dual_clip, tau_pos, tau_neg, loss_kind, kl_kind, kl_bias
 ):
     """One token's (pg, d pg / dlogp, kl, d kl / dlogp, ratio w, clipped low, clipped high),
     with torch's subgradients at ties.
@@ -48,6 +41,7 @@ def _policy_terms(
     cispo:   pg = -min(w, eps_high).detach() * A * logp        -> -min(w, eps_high) * A
     sapo:    pg = -sigmoid(tau (w - 1)) * 4 / tau * A          -> -4 A s (1 - s) w
     kl, d = ref - logp:  k3 exp(d) - d - 1 -> 1 - exp(d);  k1 -d -> 1;  k2 d^2 / 2 -> -d
+    bias-corrected kl:   w kl -> w kl + w dkl/dlogp
     """
     w = tl.exp(tl.where(has_old != 0, logp - old, 0.0))
     w1 = tl.minimum(w, delta)
@@ -72,12 +66,14 @@ def _policy_terms(
     d = ref - logp
     kl = tl.where(kl_kind == 1, -d, tl.where(kl_kind == 2, 0.5 * d * d, tl.exp(d) - d - 1.0))
     d_kl = tl.where(kl_kind == 1, 1.0, tl.where(kl_kind == 2, -d, 1.0 - tl.exp(d)))
+    d_kl = tl.where(kl_bias != 0, w * (kl + d_kl), d_kl)
+    kl = tl.where(kl_bias != 0, w * kl, kl)
     low = (w < 1.0 - eps_low) & (adv < 0) & (loss_kind != 1)  # CISPO clips no low side
     high = (w > tl.where(is_cispo, eps_high, 1.0 + eps_high)) & (adv > 0)
     return pg, d_pg, kl, d_kl, w, low, high
 
 
-@triton.jit(do_not_specialize=["N", "T", "loss_kind", "kl_kind", "has_old", "has_ref"])
+@triton.jit(do_not_specialize=["N", "T", "loss_kind", "kl_kind", "kl_bias", "has_old", "has_ref"])
 def _grpo_loss_fwd_kernel(
     logits_ptr,  # [B, T, V], any strides
     stride_b,
@@ -108,6 +104,7 @@ def _grpo_loss_fwd_kernel(
     tau_neg,
     loss_kind,  # 0 clipped, 1 cispo, 2 sapo
     kl_kind,  # 0 k3, 1 k1, 2 k2
+    kl_bias,  # 1: the KL term is multiplied by the ratio w (bias-corrected)
     has_old,
     has_ref,
     BLOCK_V: tl.constexpr,
@@ -140,7 +137,7 @@ def _grpo_loss_fwd_kernel(
             ref = tl.load(ref_ptr + row, mask=has_ref != 0, other=0.0)
             pg, d_pg, kl, d_kl, w, is_low, is_high = _policy_terms(
                 logp, old, tl.load(adv_ptr + row), ref, has_old, eps_low, eps_high, delta, dual_clip,
-                tau_pos, tau_neg, loss_kind, kl_kind,
+                tau_pos, tau_neg, loss_kind, kl_kind, kl_bias,
             )  # fmt: skip
             pg_weight = tl.load(pg_weight_ptr + row)
             kl_weight = tl.load(kl_weight_ptr + row, mask=has_ref != 0, other=0.0)
@@ -185,100 +182,52 @@ def _scale_grad_kernel(
             tl.store(ptrs, (g * scale).to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
-def _per_token(x: Optional[torch.Tensor], B: int, T: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """[B] or [B, T] -> [B * T] contiguous ``dtype`` (O(B*T): nothing of size V)."""
-    if x is None:
-        return None
-    x = x.to(dtype)
-    return (x.unsqueeze(1) if x.dim() == 1 else x).expand(B, T).reshape(-1).contiguous()
-
-
-def aggregation_weights(m: torch.Tensor, loss_type: str, max_completion_length, num_items_in_batch) -> torch.Tensor:
-    """dL/dper_token [B, T] of each aggregation (see DESIGN.md), 0 where the mask m [B, T] is 0."""
-    B = m.shape[0]
-    if loss_type in ("grpo", "sapo"):
-        return m / (m.sum(-1, keepdim=True).clamp(min=1.0) * B)
-    if loss_type == "bnpo":
-        return m / m.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return m / (B * max_completion_length)
-    if loss_type in ("dapo", "cispo"):
-        n = m.sum() if num_items_in_batch is None else num_items_in_batch
-        return m / torch.as_tensor(n, dtype=m.dtype, device=m.device)
-    return m / B  # luspo
-
-
 def grpo_loss_fwd(
     logits: torch.Tensor,
     ids: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    old_logprobs: Optional[torch.Tensor],
-    ref_logprobs: Optional[torch.Tensor],
-    grad: Optional[torch.Tensor],
+    batch,
+    config,
+    grad: torch.Tensor | None,
     *,
-    temperature: float = 1.0,
     return_entropy: bool = False,
-    beta: float = 0.0,
-    eps_low: float = 0.2,
-    eps_high: Optional[float] = None,
-    delta: Optional[float] = None,
-    loss_type: str = "grpo",
-    max_completion_length: Optional[int] = None,
-    num_items_in_batch=None,
-    importance_weights: Optional[torch.Tensor] = None,
-    dual_clip: Optional[float] = None,
-    kl_estimator: str = "k3",
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    block_v: Optional[int] = None,
-    programs: Optional[int] = None,
-    warps: Optional[int] = None,
-) -> LossOutput:
-    """One launch over logits [B, T, V]: returns the LossOutput (loss undifferentiated) and
-    writes dL/dlogits into ``grad`` [B, T, V] (any strides, may be the logits) unless ``grad``
-    is None. ``block_v``, ``programs`` (rows in flight; default one program per row) and
-    ``warps`` are launch knobs, not semantics."""
+    block_v: int | None = None,
+    programs: int | None = None,
+    warps: int | None = None,
+) -> torch.Tensor:
+    """One launch over logits [B, T, V]: returns the per-token pieces [6 or 7, B * T] (the
+    weighted loss terms, then the masked kl, low, high, region, ratio[, entropy]) and writes
+    dL/dlogits into ``grad`` [B, T, V] (any strides, may be the logits) unless it is None.
+
+    ``batch`` is the loss's prepared per-token inputs as flat [B * T] arrays (mask, weights,
+    adv, iw, old, ref; ``grpo_fast.ops._policy.PolicyBatch``) and ``config`` its
+    ``LossConfig``, whose loss type and KL estimator give the kernel's branches.
+    ``block_v``, ``programs`` (rows in flight; default one program per row) and ``warps``
+    are launch knobs, not semantics."""
     B, T, V = logits.shape
     N = B * T
-    acc = accumulate_dtype(logits)
-    m = torch.ones(B, T, dtype=acc, device=logits.device) if mask is None else mask.to(acc)
-    weight = aggregation_weights(m, loss_type, max_completion_length, num_items_in_batch)
-    pg_weight = weight if importance_weights is None else weight * _per_token(importance_weights, B, T, acc).view(B, T)
-    adv = _per_token(advantages, B, T, acc)
-    old = _per_token(old_logprobs, B, T, acc)
-    ref = _per_token(ref_logprobs, B, T, acc)
-    pieces = torch.empty(7 if return_entropy else 6, N, dtype=acc, device=logits.device)  # every row written
-    if N > 0:
-        block = block_size(V, block_v)
-        eps_high = eps_low if eps_high is None else eps_high
-        inf = float("inf")
-        g = logits if grad is None else grad
-        _grpo_loss_fwd_kernel[(min(N, programs or N),)](
-            logits, *logits.stride(), g, *g.stride(), ids.reshape(-1).contiguous(), m.reshape(-1).contiguous(),
-            adv, adv if old is None else old, adv if ref is None else ref, pg_weight.reshape(-1).contiguous(),
-            adv if ref is None else (weight * beta).reshape(-1).contiguous(), pieces,
-            N, T, V, 1.0 / temperature, float(eps_low), float(eps_high), inf if delta is None else float(delta),
-            inf if dual_clip is None else float(dual_clip), float(sapo_tau_pos), float(sapo_tau_neg),
-            LOSS_KINDS.get(loss_type, 0), KL_KINDS[kl_estimator], int(old is not None), int(ref is not None),
-            BLOCK_V=block, RETURN_ENTROPY=return_entropy, WRITE_GRAD=grad is not None,
-            num_warps=warps or num_warps(block),
-        )  # fmt: skip
-    # Every reduction in one call: the weighted loss terms, then the metrics' masked sums.
-    sums = pieces.sum(dim=1)
-    metrics = (sums[1:] / m.sum().clamp(min=1.0)).float()
-    return LossOutput(
-        loss=sums[0],
-        kl=None if ref is None else metrics[0],
-        clip_ratio_low=metrics[1],
-        clip_ratio_high=metrics[2],
-        clip_ratio_region=metrics[3],
-        ratio_mean=metrics[4],
-        entropy=metrics[5] if return_entropy else None,
+    m = batch.mask
+    pieces = torch.empty(7 if return_entropy else 6, N, dtype=m.dtype, device=logits.device)  # every row written
+    if N == 0:
+        return pieces
+    pg_weight = batch.weights if batch.iw is None else batch.weights * batch.iw
+    kl_weight = batch.weights * config.beta
+    block = block_size(V, block_v)
+    inf = float("inf")
+    g = logits if grad is None else grad
+    absent = batch.adv  # any valid pointer for an input the kernel does not read
+    _grpo_loss_fwd_kernel[(min(N, programs or N),)](
+        logits, *logits.stride(), g, *g.stride(), ids.reshape(-1).contiguous(), m, batch.adv,
+        absent if batch.old is None else batch.old, absent if batch.ref is None else batch.ref, pg_weight,
+        kl_weight, pieces, N, T, V, 1.0 / config.temperature, float(config.eps_low), float(config.clip_high),
+        inf if config.delta is None else float(config.delta), inf if config.dual_clip is None else float(config.dual_clip),
+        float(config.sapo_tau_pos), float(config.sapo_tau_neg), config.kind.kernel_kind, config.kl.kernel_kind,
+        int(config.kl_bias_correction), int(batch.old is not None), int(batch.ref is not None),
+        BLOCK_V=block, RETURN_ENTROPY=return_entropy, WRITE_GRAD=grad is not None, num_warps=warps or num_warps(block),
     )
+    return pieces
 
 
-def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, block_v: Optional[int] = None) -> torch.Tensor:
+def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, block_v: int | None = None) -> torch.Tensor:
     """grad [B, T, V] *= scale (a one-element device tensor), skipped on the device when it is 1."""
     B, T, V = grad.shape
     if B * T == 0:

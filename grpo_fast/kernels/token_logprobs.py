@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.reference import accumulate_dtype
+from grpo_fast.spec import accumulate_dtype
 
 # Largest vocabulary block per loop step; tests lower it so that tiny vocabularies span blocks.
 MAX_BLOCK_V = 4096

@@ -1,11 +1,13 @@
 """Argument checks at the public boundary: every error names the argument and what was expected."""
 
+import dataclasses
+import functools
+import inspect
 import math
-from typing import Optional
 
 import torch
 
-from grpo_fast.reference import CLIPPED_LOSS_TYPES, IMPORTANCE_LEVELS, KL_ESTIMATORS, LOSS_TYPES
+from grpo_fast.spec import LossConfig
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -57,29 +59,9 @@ def check_token_tensor(name: str, x, B: int, T: int, *, allow_sequence: bool) ->
         raise TypeError(f"{name} must be real, got {x.dtype}")
 
 
-def check_loss_options(
-    B: int,
-    T: int,
-    advantages,
-    mask,
-    old_logprobs,
-    ref_logprobs,
-    *,
-    beta: float,
-    eps_low: float,
-    eps_high: Optional[float],
-    delta: Optional[float],
-    loss_type: str,
-    importance_sampling: str,
-    max_completion_length: Optional[int],
-    num_items_in_batch,
-    importance_weights,
-    dual_clip: Optional[float],
-    kl_estimator: str,
-    sapo_tau_pos: float,
-    sapo_tau_neg: float,
-) -> None:
-    """Checks the arguments of the policy loss against the token grid [B, T]."""
+def check_loss_batch(B: int, T: int, config: LossConfig, advantages, mask, old_logprobs, ref_logprobs,
+                     importance_weights, num_items_in_batch) -> None:
+    """Checks the per-batch arguments of the policy loss against the token grid [B, T]."""
     if advantages is None:
         raise ValueError("advantages is required: [B] per sequence or [B, T] per token")
     check_token_tensor("advantages", advantages, B, T, allow_sequence=True)
@@ -87,36 +69,51 @@ def check_loss_options(
     check_token_tensor("old_logprobs", old_logprobs, B, T, allow_sequence=False)
     check_token_tensor("ref_logprobs", ref_logprobs, B, T, allow_sequence=False)
     check_token_tensor("importance_weights", importance_weights, B, T, allow_sequence=True)
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if importance_sampling not in IMPORTANCE_LEVELS:
-        raise ValueError(f"importance_sampling must be one of {IMPORTANCE_LEVELS}, got {importance_sampling!r}")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    for name, value in (("beta", beta), ("eps_low", eps_low)):
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    if eps_high is not None and (not isinstance(eps_high, (int, float)) or not eps_high >= 0):
-        raise ValueError(f"eps_high must be a number >= 0 or None (= eps_low), got {eps_high!r}")
-    if loss_type in CLIPPED_LOSS_TYPES and eps_low >= 1:
-        raise ValueError(f"eps_low must be < 1 (the lower clip bound is 1 - eps_low), got {eps_low!r}")
-    if beta != 0 and ref_logprobs is None:
-        raise ValueError(f"ref_logprobs [B, T] is required when beta != 0 (beta={beta})")
-    if delta is not None and not (isinstance(delta, (int, float)) and delta > 1):
-        raise ValueError(f"delta must be a number > 1 or None, got {delta!r}")
-    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1):
-        raise ValueError(f"dual_clip must be a number > 1 or None, got {dual_clip!r}")
-    for name, value in (("sapo_tau_pos", sapo_tau_pos), ("sapo_tau_neg", sapo_tau_neg)):
-        if not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0, got {value!r}")
-    if loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("max_completion_length is required for loss_type='dr_grpo'")
-        if not isinstance(max_completion_length, int) or max_completion_length <= 0:
-            raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
-    if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            if num_items_in_batch.numel() != 1:
-                raise ValueError(f"num_items_in_batch must be a scalar, got shape {list(num_items_in_batch.shape)}")
-        elif not isinstance(num_items_in_batch, (int, float)) or not num_items_in_batch > 0:
-            raise ValueError(f"num_items_in_batch must be a number > 0 or a scalar tensor, got {num_items_in_batch!r}")
+    if config.beta != 0 and ref_logprobs is None:
+        raise ValueError(f"ref_logprobs [B, T] is required when beta != 0 (beta={config.beta})")
+    n = num_items_in_batch
+    if n is None:
+        return
+    if isinstance(n, torch.Tensor):
+        if n.numel() != 1 or n.dtype.is_complex or n.dtype == torch.bool:
+            raise ValueError(f"num_items_in_batch must be a real scalar, got {n.dtype} of shape {list(n.shape)}")
+        if not n.is_cuda and not float(n) >= 0:  # on CUDA the check would synchronise the stream
+            raise ValueError(f"num_items_in_batch must be >= 0 (0 counts as 1, as in TRL), got {float(n)!r}")
+    elif isinstance(n, bool) or not isinstance(n, (int, float)) or not n >= 0:
+        raise ValueError(f"num_items_in_batch must be a number >= 0 (0 counts as 1, as in TRL) or a scalar tensor, got {n!r}")
+
+
+def loss_options(fn):
+    """Gives ``fn`` every :class:`LossConfig` field as a keyword-only parameter.
+
+    ``fn`` takes ``loss_config`` as its last keyword; the wrapper builds (and so validates)
+    a LossConfig from the option keywords, or takes one passed as ``loss_config=``, never
+    both. The field list lives in LossConfig alone: the signature and the docstring's
+    ``{loss_options}`` section are generated from its fields and their help.
+    """
+    names = [f.name for f in dataclasses.fields(LossConfig)]
+    signature = inspect.signature(fn)
+    params = list(signature.parameters.values())
+    at = [p.name for p in params].index("loss_config")
+    options = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(LossConfig)
+    ]
+
+    @functools.wraps(fn)
+    def wrapper(*args, loss_config=None, **kwargs):
+        given = {name: kwargs.pop(name) for name in names if name in kwargs}
+        if loss_config is None:
+            loss_config = LossConfig(**given)
+        elif given:
+            raise TypeError(f"pass the loss options as keywords or as loss_config, not both: got {sorted(given)}")
+        elif not isinstance(loss_config, LossConfig):
+            raise TypeError(f"loss_config must be a grpo_fast.LossConfig, got {type(loss_config).__name__}")
+        return fn(*args, loss_config=LossConfig.of(loss_config), **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=params[:at] + options + params[at:])
+    help_lines = [
+        f"        {f.name}: {f.metadata['help']} (default {f.default!r})." for f in dataclasses.fields(LossConfig)
+    ]
+    wrapper.__doc__ = (fn.__doc__ or "").replace("        {loss_options}", "\n".join(help_lines))
+    return wrapper

@@ -3,7 +3,7 @@ ever holding the [B, T, V] logits; fused_linear_token_logprobs: the same sweep f
 
 Order: the chunk steps, the autograd.Function, the public functions. The vocabulary-sized
 work of a chunk is the token_logprobs kernels (Triton on CUDA, the chunked torch path on
-CPU); the per-token policy math is ``reference.policy_loss`` on [B, T] tensors, as in grpo_loss.
+CPU); the per-token policy math is ``ops/_policy.py``, as in grpo_loss.
 
 For a chunk of n token rows h [n, H], with W [V, H], tau the temperature and g = dL/dlogp:
 
@@ -22,16 +22,17 @@ couples the tokens of a row: there the forward sweeps once for logp, forms g on 
 [B, T] grid, and sweeps again, recomputing the logits, for the gradients (four matmuls).
 """
 
-import functools
-from typing import Optional
+import dataclasses
 
 import torch
 
 from grpo_fast import reference
 from grpo_fast.ops._backend import select_backend
-from grpo_fast.ops._validate import check_ids, check_loss_options, check_temperature, check_tensor
+from grpo_fast.ops._policy import PolicyBatch, logp_grad, policy_loss
+from grpo_fast.ops._validate import check_ids, check_loss_batch, check_temperature, check_tensor, loss_options
 from grpo_fast.ops.token_logprobs import _kernels
 from grpo_fast.outputs import LossOutput
+from grpo_fast.spec import LossConfig, accumulate_dtype
 
 # Bytes of one chunk's logits [n, V] by default. Every chunk re-reads and re-writes the
 # [V, H] weight gradient, so chunks must be tall for the matmuls to run near peak; a GPU
@@ -39,7 +40,7 @@ from grpo_fast.outputs import LossOutput
 CHUNK_BYTES = {"cuda": 1 << 30, "cpu": 256 << 20}
 
 
-def _chunk_rows(N: int, V: int, itemsize: int, device: torch.device, chunk_size: Optional[int]) -> int:
+def _chunk_rows(N: int, V: int, itemsize: int, device: torch.device, chunk_size: int | None) -> int:
     """Token rows per chunk: ``chunk_size`` if given, else the byte budget split evenly over N."""
     if chunk_size is not None:
         return chunk_size
@@ -54,7 +55,7 @@ def _chunks(N: int, rows: int):
         yield slice(r0, min(r0 + rows, N))
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """h [n, H] -> z = h @ weight.T + bias, [n, V] in the input dtype."""
     return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
 
@@ -84,14 +85,6 @@ def _chunk_backward(z, ids, lse, g, temperature, h, weight, bwd, grads, rows) ->
         grad_bias += z.sum(0, dtype=grad_bias.dtype)
 
 
-def _policy_grad(policy, logp: torch.Tensor) -> torch.Tensor:
-    """g = dL/dlogp [B, T] of the policy loss at ``logp`` [B, T]."""
-    with torch.enable_grad():
-        x = logp.detach().requires_grad_()
-        (g,) = torch.autograd.grad(policy(x).loss, x)
-    return g
-
-
 def _grad_buffers(hidden2d, weight, bias, wanted, fp32_weight_grad: bool):
     """Gradient buffers for the inputs flagged in ``wanted`` (hidden, weight, bias): hidden's
     is written chunk by chunk, the others accumulate from zero, in float32 for 16-bit weights
@@ -113,7 +106,7 @@ def _logprobs_sweep(hidden2d, weight, bias, ids, temperature, rows, backend, ret
     chunk's logits z [n, V] as soon as its log-probs are known, and may overwrite z."""
     fwd, _ = _kernels(backend)
     N = hidden2d.shape[0]
-    acc = reference.accumulate_dtype(hidden2d)
+    acc = accumulate_dtype(hidden2d)
     logp = torch.empty(N, dtype=acc, device=hidden2d.device)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if return_entropy else None
@@ -131,34 +124,26 @@ def _logprobs_sweep(hidden2d, weight, bias, ids, temperature, rows, backend, ret
 class FusedLinearGRPOFunction(torch.autograd.Function):
     """(hidden [B, T, H], weight [V, H], bias [V] or None) -> (loss, logp [B, T][, entropy]).
 
-    ``policy`` maps logp [B, T] to the LossOutput (``reference.policy_loss`` with the batch's
-    advantages, mask and options bound). The forward computes the gradients of the inputs
-    flagged in ``wanted`` for dL/dloss = 1 (see the module docstring); the backward scales
-    them by the incoming dL/dloss.
+    ``batch`` and ``config`` are the loss's prepared per-token inputs and options
+    (``ops/_policy.py``). The forward computes the gradients of the inputs flagged in
+    ``wanted`` for dL/dloss = 1 (see the module docstring); the backward scales them by the
+    incoming dL/dloss.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, policy, temperature, return_entropy, rows, wanted, fp32_weight_grad,
-                backend):  # fmt: skip
+    def forward(ctx, hidden, weight, bias, ids, batch, config, return_entropy, rows, wanted, fp32_weight_grad, backend):
         B, T, H = hidden.shape
         N = B * T
         hidden2d = hidden.reshape(N, H)
         flat_ids = ids.reshape(-1)
+        temperature = float(config.temperature)
         _, bwd = _kernels(backend)
         grads = _grad_buffers(hidden2d, weight, bias, wanted, fp32_weight_grad)
-        one_sweep = any(wanted) and policy.keywords["importance_sampling"] == "token"
-
-        # The [B, T] grid that g is taken on during the one sweep. Tokens not reached yet
-        # hold the old log-probs (ratio 1); their values do not matter, since with
-        # token-level ratios a token's g depends on its own logp only.
-        old = policy.keywords["old_logprobs"]
-        grid = torch.zeros(B, T, dtype=reference.accumulate_dtype(hidden), device=hidden.device)
-        if old is not None:
-            grid.copy_(old)
+        # With token-level ratios a token's dL/dlogp depends on its own logp only: known per chunk.
+        one_sweep = any(wanted) and config.importance_sampling == "token"
 
         def backward_now(z, r, logp_rows, lse_rows):
-            grid.view(-1)[r] = logp_rows
-            g = _policy_grad(policy, grid).view(-1)[r]
+            g = logp_grad(logp_rows, batch.rows(r), config)
             _chunk_backward(z, flat_ids[r], lse_rows, g, temperature, hidden2d[r], weight, bwd, grads, r)
 
         logp, lse, entropy = _logprobs_sweep(
@@ -167,14 +152,14 @@ class FusedLinearGRPOFunction(torch.autograd.Function):
         )  # fmt: skip
         logp = logp.view(B, T)
         if any(wanted) and not one_sweep:  # sequence-level ratios: g needs every logp first
-            g = _policy_grad(policy, logp).view(-1)
+            g = logp_grad(logp, batch, config).view(-1)
             for r in _chunks(N, rows):
                 z = _chunk_logits(hidden2d[r], weight, bias)
                 _chunk_backward(z, flat_ids[r], lse[r], g[r], temperature, hidden2d[r], weight, bwd, grads, r)
 
         ctx.grads = grads
         ctx.hidden_shape = hidden.shape
-        loss = policy(logp).loss
+        loss = policy_loss(logp, batch, config).loss
         ctx.mark_non_differentiable(logp)
         if entropy is None:
             return loss, logp
@@ -229,10 +214,10 @@ def fused_linear_token_logprobs(
     weight: torch.Tensor,
     ids: torch.Tensor,
     *,
-    bias: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
-    chunk_size: Optional[int] = None,
+    chunk_size: int | None = None,
 ):
     """Per-token log-probs of ``ids`` under the LM head, ``log_softmax((hidden @ weight.T + bias) / temperature)``
     gathered at ``ids``, without holding the [B, T, V] logits. No gradient: for the old-policy
@@ -271,33 +256,23 @@ def fused_linear_token_logprobs(
     return (logp, entropy.view(B, T)) if return_entropy else logp
 
 
+@loss_options
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     ids: torch.Tensor,
     advantages: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    old_logprobs: Optional[torch.Tensor] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
+    mask: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
     *,
-    bias: Optional[torch.Tensor] = None,
-    beta: float = 0.0,
-    eps_low: float = 0.2,
-    eps_high: Optional[float] = None,
-    delta: Optional[float] = None,
-    temperature: float = 1.0,
-    loss_type: str = "grpo",
-    importance_sampling: str = "token",
-    max_completion_length: Optional[int] = None,
-    num_items_in_batch=None,
-    importance_weights: Optional[torch.Tensor] = None,
-    dual_clip: Optional[float] = None,
-    kl_estimator: str = "k3",
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    return_entropy: bool = False,
-    chunk_size: Optional[int] = None,
+    bias: torch.Tensor | None = None,
+    chunk_size: int | None = None,
     fp32_weight_grad: bool = True,
+    num_items_in_batch=None,
+    importance_weights: torch.Tensor | None = None,
+    return_entropy: bool = False,
+    loss_config: LossConfig | None = None,
 ) -> LossOutput:
     """The GRPO loss of :func:`grpo_fast.grpo_loss` on the logits ``hidden @ weight.T + bias``,
     computed chunk by chunk so that the [B, T, V] logits never exist.
@@ -317,13 +292,13 @@ def fused_linear_grpo_loss(
         ids: [B, T] integer completion tokens in [0, V).
         advantages, mask, old_logprobs, ref_logprobs: as in :func:`grpo_fast.grpo_loss`.
         bias: [V] LM-head bias, or None.
-        beta, eps_low, eps_high, delta, temperature, loss_type, importance_sampling,
-        max_completion_length, num_items_in_batch, importance_weights, dual_clip,
-        kl_estimator, sapo_tau_pos, sapo_tau_neg, return_entropy: as in :func:`grpo_fast.grpo_loss`.
         chunk_size: token rows per chunk; default: a fixed byte budget for one chunk's
             logits (256 MiB on CPU, 1 GiB on CUDA), split evenly over B * T.
         fp32_weight_grad: accumulate the weight gradient over chunks in float32 when the
             weight is fp16/bf16 (one [V, H] float32 buffer); False accumulates in its dtype.
+        num_items_in_batch, importance_weights, return_entropy, loss_config: as in
+            :func:`grpo_fast.grpo_loss`.
+        {loss_options}
 
     Returns:
         :class:`LossOutput`, as :func:`grpo_fast.grpo_loss`.
@@ -334,45 +309,25 @@ def fused_linear_grpo_loss(
         ...                              completion_mask, old_logp, ref_logp, beta=0.04)
         >>> out.loss.backward()
     """
-    _check_linear(hidden, weight, bias, ids, temperature, chunk_size)
+    config = loss_config
+    _check_linear(hidden, weight, bias, ids, config.temperature, chunk_size)
     B, T, H = hidden.shape
     V = weight.shape[0]
-    options = dict(
-        beta=beta,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        delta=delta,
-        loss_type=loss_type,
-        importance_sampling=importance_sampling,
-        max_completion_length=max_completion_length,
-        num_items_in_batch=num_items_in_batch,
-        importance_weights=importance_weights,
-        dual_clip=dual_clip,
-        kl_estimator=kl_estimator,
-        sapo_tau_pos=sapo_tau_pos,
-        sapo_tau_neg=sapo_tau_neg,
-    )
-    check_loss_options(B, T, advantages, mask, old_logprobs, ref_logprobs, **options)
+    check_loss_batch(B, T, config, advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
     backend = select_backend(hidden)
     if backend == "reference":
         logits = _chunk_logits(hidden.reshape(B * T, H), weight, bias).view(B, T, V)
         return reference.grpo_loss(
-            logits, ids, advantages, mask, old_logprobs, ref_logprobs,
-            temperature=temperature, return_entropy=return_entropy, **options,
-        )  # fmt: skip
-    policy = functools.partial(
-        reference.policy_loss,
-        advantages=advantages,
-        mask=mask,
-        old_logprobs=None if old_logprobs is None else old_logprobs.detach(),
-        ref_logprobs=None if ref_logprobs is None else ref_logprobs.detach(),
-        **options,
-    )
+            logits, ids, advantages, mask, old_logprobs, ref_logprobs, num_items_in_batch=num_items_in_batch,
+            importance_weights=importance_weights, return_entropy=return_entropy, **dataclasses.asdict(config),
+        )
+    batch = PolicyBatch.prepare(config, (B, T), accumulate_dtype(hidden), hidden.device, advantages, mask,
+                                old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
     wanted = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (hidden, weight, bias))
     rows = _chunk_rows(B * T, V, hidden.element_size(), hidden.device, chunk_size)
     loss, logp, *entropy = FusedLinearGRPOFunction.apply(
-        hidden, weight, bias, ids, policy, float(temperature), return_entropy, rows, wanted, fp32_weight_grad, backend
+        hidden, weight, bias, ids, batch, config, return_entropy, rows, wanted, fp32_weight_grad, backend
     )
     with torch.no_grad():
-        metrics = policy(logp, entropy=entropy[0] if return_entropy else None)
+        metrics = policy_loss(logp, batch, config, entropy[0] if return_entropy else None)
     return metrics._replace(loss=loss)

@@ -16,6 +16,7 @@ import torch
 from grpo_fast import reference
 from grpo_fast.ops._backend import select_backend
 from grpo_fast.ops._validate import check_ids, check_temperature, check_tensor
+from grpo_fast.spec import accumulate_dtype
 
 # Rows per chunk are sized so that one chunk's float32 copy is about this many bytes: small
 # enough to stay in a CPU's L3 while it is reused (log-sum-exp, gather, entropy), large
@@ -52,7 +53,7 @@ def logprobs_fwd_torch(logits: torch.Tensor, ids: torch.Tensor, temperature: flo
     """Chunked forward. logits [B, T, V] (any strides), ids [B, T] ->
     logp [B, T], lse [B, T] (of logits / temperature), entropy [B, T] or None; float32."""
     B, T, V = logits.shape
-    acc = reference.accumulate_dtype(logits)
+    acc = accumulate_dtype(logits)
     logp = torch.empty(B * T, dtype=acc, device=logits.device)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if return_entropy else None
@@ -77,7 +78,7 @@ def logprobs_bwd_torch(
 ):
     """Chunked backward: writes dL/dlogits into ``out`` [B, T, V] (may be ``logits`` itself)."""
     B, T, V = logits.shape
-    acc = reference.accumulate_dtype(logits)
+    acc = accumulate_dtype(logits)
     coef = (grad_logp.to(acc) / temperature).reshape(-1, 1)  # g / tau, [B*T, 1]
     flat_ids = ids.reshape(-1, 1).long()
     flat_lse = lse.reshape(-1, 1)

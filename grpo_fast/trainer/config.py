@@ -1,82 +1,90 @@
 """GRPOConfig: every knob of a run, from defaults, a YAML file and command-line overrides.
 
 The defaults are the built-in demo (``grpo-fast train`` with no arguments): a tiny model
-learning single-digit addition on a CPU in well under three minutes.
+learning single-digit addition on a CPU in well under three minutes. Every field carries a
+one-line help, which ``grpo-fast train --help`` prints beside its default.
 """
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
 
-from grpo_fast.reference import IMPORTANCE_LEVELS, KL_ESTIMATORS, LOSS_TYPES, SCALES
+from grpo_fast.spec import SCALES, LossConfig, option
+from grpo_fast.trainer.generators import ENGINES
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
 @dataclass
-class GRPOConfig:
-    """A GRPO run. ``batch_size`` counts completions: ``batch_size // group_size`` prompts per step."""
+class GRPOConfig(LossConfig):
+    """A GRPO run: every :class:`grpo_fast.LossConfig` option (the loss, read by the trainer
+    as one validated LossConfig) and the run's own keys. ``batch_size`` counts completions:
+    ``batch_size // group_size`` prompts per step. Unlike a LossConfig it is mutable and is
+    validated when used (``validate()``)."""
+
+    _mutable = True
+
+    # the loss: LossConfig's fields, with the demo's KL weight
+    beta: float = option(0.005, "weight of the KL penalty to the reference model (0 = no reference model)")
 
     # what to train, on what
-    model: Optional[str] = None  # local path for from_pretrained; None = the built-in tiny model
-    dataset: Optional[str] = None  # JSONL / CSV / datasets.save_to_disk folder; None = the arithmetic demo
-    prompt_column: str = "prompt"
-    answer_column: Optional[str] = None
-    system_prompt: Optional[str] = None
-    reward_funcs: Optional[list] = None  # names in grpo_fast.rewards or "module:function"; None = task default
-    reward_weights: Optional[list] = None  # one per reward function; None = all 1
-    output_dir: Optional[str] = None  # None = runs/<time>
-    seed: int = 0
+    model: str | None = option(None, "local model folder for from_pretrained; None = the built-in tiny model")
+    dataset: str | None = option(None, "JSONL / CSV / datasets.save_to_disk folder; None = the arithmetic demo")
+    prompt_column: str = option("prompt", "dataset column holding the prompt")
+    answer_column: str | None = option(None, "dataset column holding the reference answer, passed to rewards")
+    system_prompt: str | None = option(None, "system message for chat-template prompts")
+    reward_funcs: list | None = option(None, "reward names in grpo_fast.rewards or module:function; None = task's")
+    reward_weights: list | None = option(None, "one weight per reward function; None = all 1")
+    output_dir: str | None = option(None, "run folder (metrics, checkpoints, final model); None = runs/<time>")
+    seed: int = option(0, "seed of the model init, data order and sampling")
 
     # rollout
-    steps: int = 300
-    batch_size: int = 128  # completions per step
-    group_size: int = 16  # G, completions per prompt
-    max_prompt_length: Optional[int] = None  # longer prompts keep their last tokens
-    max_new_tokens: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-
-    # loss (grpo_fast.grpo_loss options)
-    loss_type: str = "grpo"
-    beta: float = 0.005
-    kl_estimator: str = "k3"
-    eps_low: float = 0.2
-    eps_high: Optional[float] = None
-    delta: Optional[float] = None
-    importance_sampling: str = "token"
-    advantage_scale: str = "group"
-    num_iterations: int = 1  # mu: optimisation passes over each rollout batch
+    steps: int = option(300, "training steps (one rollout batch each)")
+    batch_size: int = option(128, "completions per step")
+    group_size: int = option(16, "G, completions per prompt")
+    max_prompt_length: int | None = option(None, "longer prompts keep their last tokens; None = no limit")
+    max_new_tokens: int = option(4, "completion length limit (also dr_grpo's max_completion_length when unset)")
+    top_p: float = option(1.0, "nucleus sampling threshold in (0, 1]")
+    generator: str = option("hf", f"generation engine: {', '.join(ENGINES)}")
+    advantage_scale: str = option("group", "divide advantages by the group's std, the batch's, or none (Dr. GRPO)")
+    num_iterations: int = option(1, "mu: optimisation passes over each rollout batch")
 
     # optimisation
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    warmup_steps: int = 5
-    lr_schedule: str = "constant"
-    max_grad_norm: Optional[float] = 1.0
-    micro_batch_size: Optional[int] = None  # sequences per forward/backward; None = the whole batch
+    learning_rate: float = option(1e-3, "AdamW learning rate")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.99, "AdamW beta2")
+    warmup_steps: int = option(5, "linear warmup, in training steps")
+    lr_schedule: str = option("constant", f"after warmup: {', '.join(LR_SCHEDULES)}")
+    max_grad_norm: float | None = option(1.0, "clip the gradient norm to this; None = no clipping")
+    micro_batch_size: int | None = option(None, "sequences per forward/backward; None = the whole batch")
 
     # memory and speed
-    precision: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
-    gradient_checkpointing: bool = False
-    fused_linear: bool = False  # the loss from hidden states (fused_linear_grpo_loss) when available
-    lora_r: int = 0  # > 0 wraps the policy in a peft LoRA; the reference is the same model, adapters off
-    lora_alpha: int = 16
-    lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    device: str = "auto"  # auto = cuda when available, else cpu
+    precision: str = option("auto", "auto = bf16 autocast on CUDA, fp32 on CPU; or bf16, fp32")
+    gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    fused_linear: bool = option(False, "compute the loss from hidden states and the LM head (fused_linear_grpo_loss)")
+    lora_r: int = option(0, "> 0 trains a peft LoRA of this rank; the reference is the model with adapters off")
+    lora_alpha: int = option(16, "LoRA alpha")
+    lora_target_modules: list = option(["q_proj", "k_proj", "v_proj", "o_proj"], "modules LoRA adapts")
+    device: str = option("auto", "auto = cuda when available, else cpu")
 
     # bookkeeping
-    save_every: int = 50  # checkpoint every k steps (and always at the end); 0 = only at the end
-    keep_checkpoints: int = 2
-    progress: bool = True
+    save_every: int = option(50, "checkpoint every k steps (and at the end); 0 = only at the end")
+    keep_checkpoints: int = option(2, "checkpoints kept on disk")
+    progress: bool = option(True, "show a progress bar")
+
+    def __post_init__(self):
+        """Fields may be edited one by one: validation waits for ``validate()``."""
 
     @property
     def prompts_per_step(self) -> int:
         return self.batch_size // self.group_size
+
+    def loss_config(self) -> LossConfig:
+        """The run's loss options as one frozen, validated :class:`LossConfig` (dr_grpo's
+        max_completion_length defaults to max_new_tokens)."""
+        return LossConfig.of(self, max_completion_length=self.max_completion_length or self.max_new_tokens)
 
     @classmethod
     def from_dict(cls, values: dict) -> "GRPOConfig":
@@ -107,7 +115,7 @@ class GRPOConfig:
         return dataclasses.asdict(self)
 
     def validate(self) -> None:
-        """Raises ValueError naming the first inconsistent setting."""
+        """Raises ValueError naming the first inconsistent setting, the loss's options included."""
 
         def require(ok: bool, message: str):
             if not ok:
@@ -134,20 +142,17 @@ class GRPOConfig:
                 isinstance(self.micro_batch_size, int) and 1 <= self.micro_batch_size <= self.batch_size,
                 f"micro_batch_size must be an int in [1, batch_size={self.batch_size}], got {self.micro_batch_size!r}",
             )
-        require(self.temperature > 0, f"temperature must be > 0, got {self.temperature!r}")
+        self.loss_config()
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate!r}")
-        require(self.beta >= 0, f"beta must be >= 0, got {self.beta!r}")
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         require(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every!r}")
         require(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints!r}")
         require(self.lora_r >= 0, f"lora_r must be >= 0, got {self.lora_r!r}")
-        choice("loss_type", LOSS_TYPES)
-        choice("kl_estimator", KL_ESTIMATORS)
-        choice("importance_sampling", IMPORTANCE_LEVELS)
         choice("advantage_scale", SCALES)
         choice("lr_schedule", LR_SCHEDULES)
         choice("precision", PRECISIONS)
+        choice("generator", ENGINES)
         if self.reward_weights is not None:
             require(
                 self.reward_funcs is not None and len(self.reward_weights) == len(self.reward_funcs),

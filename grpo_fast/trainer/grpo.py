@@ -1,44 +1,48 @@
 """GRPOTrainer: the lean GRPO loop.
 
-    for step:
+    for step:                                            # train_step, a template:
         rows     <- next batch_size / G prompts (shuffled each epoch, resumable by position)
-        rollout  <- G samples per prompt (HF generate), rewards [N, K], group advantages,
+        rollout  <- G samples per prompt (a generation engine), rewards [N, K],
                     old log-probs (num_iterations > 1), reference log-probs (beta != 0)
+        advantages <- group advantages of the rewards                compute_advantages
         for iteration in range(num_iterations):         # one optimizer step each
             for micro-batch: loss <- grpo_loss(logits of completion tokens only); backward
-            clip grad norm; AdamW step; LR schedule step
+                                                                     accumulate_gradients
+            clip grad norm; AdamW step; LR schedule step             optimizer_step
         log metrics.jsonl; checkpoint every save_every steps
 
-Choices: the loss's temperature is the sampling temperature (the log-probs are those of the
-distribution that sampled); micro-batch losses are weighted so that the accumulated
-gradient equals the full-batch gradient for every loss type; on CUDA the forward passes
-run under bf16 autocast while weights and optimizer state stay float32.
+The PPO baseline (``ppo.py``) overrides the three named steps. Choices: the loss's options
+are one :class:`grpo_fast.LossConfig` built once from the config; its temperature is the
+sampling temperature (the log-probs are those of the distribution that sampled);
+micro-batch losses are weighted by the loss spec so that the accumulated gradient equals
+the full-batch gradient for every loss type; on CUDA the forward passes run under bf16
+autocast while weights and optimizer state stay float32.
 """
 
 import copy
+import dataclasses
 import math
 import os
 import random
 import resource
 import shutil
 import time
-from typing import Optional
 
 import numpy as np
 import torch
 
-from grpo_fast import grpo_loss
+from grpo_fast import fused_linear_grpo_loss, group_advantages, grpo_loss
 from grpo_fast.tasks import DATASET_REWARDS, DEMO_REWARDS, get_reward_function, load_rows
 from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer import run_log
 from grpo_fast.trainer.config import GRPOConfig
+from grpo_fast.trainer.generators import make_generator
+from grpo_fast.outputs import GroupAdvantages
 from grpo_fast.trainer.rollout import Rollout, autocast, completion_hidden, completion_logits, rollout
-
-# Loss types whose value is a mean over sequences: a micro-batch of n rows out of N weighs n / N.
-_PER_SEQUENCE = ("grpo", "sapo", "luspo", "dr_grpo")
 
 
 def seed_everything(seed: int) -> None:
+    """Seeds Python's, NumPy's and torch's global generators (as transformers' ``set_seed``)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -63,6 +67,10 @@ def load_model_and_tokenizer(config: GRPOConfig):
 class GRPOTrainer:
     """Trains ``model`` (or the one ``config`` names) with GRPO on ``rows`` (or ``config.dataset``).
 
+    The trainer seeds the global random generators with ``config.seed`` (sampling with the
+    Hugging Face engine draws from torch's); it changes no other state of its caller: the
+    tokenizer, thread counts and plotting backend are left as they were.
+
     Args:
         config: the run (see :class:`GRPOConfig`).
         model, tokenizer: an already loaded policy and tokenizer (default: from ``config``).
@@ -73,6 +81,7 @@ class GRPOTrainer:
     def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None, rows=None, reward_funcs=None):
         config.validate()
         self.config = config
+        self.loss_config = config.loss_config()
         seed_everything(config.seed)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
@@ -87,7 +96,7 @@ class GRPOTrainer:
         self.reference = self._make_reference()
         self.rows = rows if rows is not None else self._load_rows()
         self.reward_funcs, self.reward_names = self._resolve_rewards(reward_funcs)
-        self.fused_linear_grpo_loss = self._fused_loss() if config.fused_linear else None
+        self.generator = make_generator(config.generator, self.policy, tokenizer, config, bf16=self.bf16)
 
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -148,14 +157,6 @@ class GRPOTrainer:
         funcs = [get_reward_function(name) for name in names]
         return funcs, [getattr(f, "__name__", str(f)) for f in funcs]
 
-    def _fused_loss(self):
-        import grpo_fast
-
-        fused = getattr(grpo_fast, "fused_linear_grpo_loss", None)
-        if fused is None:
-            raise ValueError("fused_linear=True needs grpo_fast.fused_linear_grpo_loss, which this install lacks")
-        return fused
-
     def _lr_factor(self, optimizer_step: int) -> float:
         """Linear warmup over warmup_steps training steps, then constant, linear or cosine decay."""
         config = self.config
@@ -171,14 +172,16 @@ class GRPOTrainer:
         return 1.0
 
     # ---------------------------------------------------------------- data
-    def next_rows(self) -> list:
-        """The next prompts_per_step rows: a fresh seeded shuffle each epoch, so a position resumes."""
-        rows = []
+    def next_rows(self) -> tuple:
+        """The next prompts_per_step rows and their data positions (the keys of their samples):
+        a fresh seeded shuffle each epoch, so a position resumes."""
+        rows, keys = [], []
         for _ in range(self.config.prompts_per_step):
             epoch, index = divmod(self.data_position, len(self.rows))
             rows.append(self.rows[self._epoch_order(epoch)[index]])
+            keys.append(self.data_position)
             self.data_position += 1
-        return rows
+        return rows, keys
 
     def _epoch_order(self, epoch: int) -> list:
         if getattr(self, "_order", (None,))[0] != epoch:
@@ -189,28 +192,33 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- one step
     def make_rollout(self) -> Rollout:
+        """The step's experience: samples, rewards, and the log-probs the loss needs."""
         config = self.config
+        rows, keys = self.next_rows()
         return rollout(
-            self.policy,
-            self.tokenizer,
-            self.next_rows(),
+            self.generator,
+            rows,
+            keys,
             self.reward_funcs,
             group_size=config.group_size,
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            max_prompt_length=config.max_prompt_length,
-            reward_weights=config.reward_weights,
-            advantage_scale=config.advantage_scale,
+            policy=self.policy,
             reference=self.reference,
             need_old_logprobs=config.num_iterations > 1,
+            temperature=config.temperature,
             micro_batch_size=config.micro_batch_size,
             bf16=self.bf16,
         )
 
+    def compute_advantages(self, batch: Rollout) -> Rollout:
+        """GRPO's critic-free advantages: each reward relative to its group's."""
+        config = self.config
+        advantages = group_advantages(
+            batch.rewards, config.group_size, scale=config.advantage_scale, reward_weights=config.reward_weights
+        )
+        return dataclasses.replace(batch, advantages=GroupAdvantages(*(t.to(self.device) for t in advantages)))
+
     def _loss(self, batch: Rollout, rows: slice, num_items: torch.Tensor):
         """The loss output for one micro-batch ``rows`` of ``batch``."""
-        config = self.config
         ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
         C = batch.completion_mask.shape[1]
         args = (
@@ -220,47 +228,34 @@ class GRPOTrainer:
             None if batch.old_logprobs is None else batch.old_logprobs[rows],
             None if batch.ref_logprobs is None else batch.ref_logprobs[rows],
         )
-        options = dict(
-            beta=config.beta,
-            eps_low=config.eps_low,
-            eps_high=config.eps_high,
-            delta=config.delta,
-            temperature=config.temperature,
-            loss_type=config.loss_type,
-            importance_sampling=config.importance_sampling,
-            max_completion_length=config.max_new_tokens,
-            num_items_in_batch=num_items,
-            kl_estimator=config.kl_estimator,
-        )
+        options = dict(num_items_in_batch=num_items, return_entropy=True, loss_config=self.loss_config)
         with autocast(self.device, self.bf16):
-            if self.fused_linear_grpo_loss is not None:
+            if self.config.fused_linear:
                 head = self.policy.get_output_embeddings()
                 hidden = completion_hidden(self.policy, ids, mask, C)
-                return self.fused_linear_grpo_loss(
-                    hidden, head.weight, *args, bias=head.bias, return_entropy=True, **options
-                )
-            logits = completion_logits(self.policy, ids, mask, C)
-            return grpo_loss(logits, *args, return_entropy=True, **options)
+                return fused_linear_grpo_loss(hidden, head.weight, *args, bias=head.bias, **options)
+            return grpo_loss(completion_logits(self.policy, ids, mask, C), *args, **options)
 
     def accumulate_gradients(self, batch: Rollout, num_items: torch.Tensor) -> dict:
-        """Backward over ``batch`` in micro-batches; the summed gradient is the full batch's.
+        """Backward over ``batch`` in micro-batches; the summed gradient is the full batch's:
+        each micro-batch's loss is weighted by the loss type's aggregation (the loss spec).
 
         Returns the loss and the token-weighted means of the loss metrics over the batch.
         """
-        config = self.config
         N = batch.input_ids.shape[0]
-        micro = config.micro_batch_size or N
+        micro = self.config.micro_batch_size or N
+        tokens = batch.completion_mask.sum(1)  # [N]
+        total_tokens = tokens.sum().item()
+        aggregation = self.loss_config.aggregation
         sums = dict(loss=0.0, kl=0.0, clip_ratio_low=0.0, clip_ratio_high=0.0, clip_ratio_region=0.0, entropy=0.0)
         for i in range(0, N, micro):
             rows = slice(i, min(i + micro, N))
-            share = (batch.completion_mask[rows].sum() / num_items.clamp(min=1)).item()
+            micro_tokens = tokens[rows].sum().item()
+            share = micro_tokens / max(total_tokens, 1.0)
+            weight = aggregation.micro_batch_weight(
+                rows.stop - rows.start, micro_tokens, N, total_tokens, self.loss_config, num_items.item()
+            )
             out = self._loss(batch, rows, num_items)
-            if config.loss_type in _PER_SEQUENCE:
-                weight = (rows.stop - rows.start) / N
-            elif config.loss_type == "bnpo":
-                weight = share
-            else:  # dapo, cispo: already divided by the whole batch's token count
-                weight = 1.0
             (out.loss * weight).backward()
             sums["loss"] += out.loss.item() * weight
             for key in ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy"):
@@ -268,37 +263,44 @@ class GRPOTrainer:
                 sums[key] = None if value is None or sums[key] is None else sums[key] + value.item() * share
         return sums
 
+    def optimizer_step(self) -> dict:
+        """Clips the gradient norm, steps the optimizer and the schedule, clears the gradients."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return dict(grad_norm=grad_norm)
+
     def train_step(self) -> dict:
-        """One GRPO step: rollout, num_iterations optimizer steps, metrics."""
-        config = self.config
+        """One step: rollout -> advantages -> num_iterations x (backward passes -> optimizer)."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
-        batch = self.make_rollout()
+        batch = self.compute_advantages(self.make_rollout())
         num_items = batch.completion_mask.sum()  # active tokens of the whole batch (dapo/cispo/bnpo)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
         passes = []
-        for _ in range(config.num_iterations):
+        for _ in range(self.config.num_iterations):
             sums = self.accumulate_gradients(batch, num_items)
-            sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            sums.update(self.optimizer_step())
             passes.append(sums)
         self.step += 1
-        elapsed = time.perf_counter() - start
+        return self._step_metrics(batch, passes, time.perf_counter() - start, **self.extra_metrics(batch))
 
-        return self._step_metrics(batch, passes, elapsed)
+    def extra_metrics(self, batch: Rollout) -> dict:
+        """More of the step's log line (the PPO baseline adds the critic's)."""
+        return {}
 
     def _step_metrics(self, batch: Rollout, passes: list, elapsed: float, **extra) -> dict:
         """The step's log line: rollout statistics, the mean of each pass metric over the
         num_iterations passes, throughput and memory, ``extra`` and the per-reward means."""
         combined = batch.advantages.rewards
+        scored = combined[~combined.isnan()]  # completions no reward function scored are left out, as TRL
         metrics = dict(
             step=self.step,
-            reward_mean=combined.mean().item(),
-            reward_std=combined.std().item(),
+            reward_mean=scored.mean().item() if len(scored) else None,
+            reward_std=scored.std().item() if len(scored) > 1 else None,
             frac_reward_zero_std=batch.advantages.frac_zero_std.item(),
         )
         for key in passes[0]:
@@ -339,7 +341,7 @@ class GRPOTrainer:
         )
         return ckpt.save_checkpoint(self.output_dir, state, keep=self.config.keep_checkpoints)
 
-    def resume(self, path: Optional[str] = None) -> int:
+    def resume(self, path: str | None = None) -> int:
         """Restores the newest checkpoint of the output dir (or ``path``); returns its step."""
         path = path or ckpt.latest_checkpoint(self.output_dir)
         if path is None:

@@ -1,33 +1,36 @@
 """PPOTrainer: the critic baseline that GRPO is measured against.
 
+GRPO's step template (``GRPOTrainer.train_step``) with three of its steps extended:
+
     for step:
         rollout  <- the GRPO trainer's rollout: G samples per prompt, rewards, (ref log-probs)
-        values   <- value model on the completion tokens, no grad                  # (N, C)
-        rewards  <- the sequence reward on each completion's last token            # (N, C)
-        A, R     <- GAE(rewards, values; gamma, lambda); A whitened over active tokens
+        compute_advantages:
+            values   <- value model on the completion tokens, no grad                # (N, C)
+            rewards  <- the sequence reward on each completion's last token          # (N, C)
+            A, R     <- GAE(rewards, values; gamma, lambda); A whitened over active tokens
         for iteration in range(num_iterations):
-            policy, per micro-batch: grpo_loss(logits, ids, A [N, C], ...)   (GRPO's own loop)
-            critic, per micro-batch: clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2)
-            clip and step each model with its own AdamW
+            accumulate_gradients:
+                policy, per micro-batch: grpo_loss(logits, ids, A [N, C], ...)   (GRPO's own)
+                critic, per micro-batch: clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2)
+            optimizer_step: clip and step each model with its own AdamW
 
 Choices, so that PPO and GRPO differ only in where the advantages come from: the same
 rollout, reward path, policy loss and options (loss_type, clipping, micro-batching); the
 KL to the reference is the loss term ``beta * kl`` of GRPO (as verl's ``use_kl_loss``),
 not a per-token reward penalty. The value model is the policy's decoder (a copy: same
 architecture, same starting weights) with a zero-initialised scalar head, trained by its
-own optimizer with its own learning rate. Checkpoints hold the policy only, so a PPO run
-does not resume.
+own optimizer with its own learning rate. A completion that no reward function scored is
+masked out of both losses. Checkpoints hold the policy only, so a PPO run does not resume.
 """
 
 import copy
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
+from grpo_fast.spec import option
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.grpo import GRPOTrainer
 from grpo_fast.trainer.rollout import Rollout, autocast, completion_hidden
@@ -37,11 +40,11 @@ from grpo_fast.trainer.rollout import Rollout, autocast, completion_hidden
 class PPOConfig(GRPOConfig):
     """A PPO run: every :class:`GRPOConfig` key plus the critic's."""
 
-    gamma: float = 1.0  # discount over completion tokens
-    lam: float = 0.95  # GAE lambda
-    cliprange_value: float = 0.2  # the value may move at most this far from its rollout value
-    value_learning_rate: Optional[float] = None  # None = learning_rate
-    whiten_advantages: bool = True
+    gamma: float = option(1.0, "discount over completion tokens")
+    lam: float = option(0.95, "GAE lambda")
+    cliprange_value: float = option(0.2, "the value may move at most this far from its rollout value")
+    value_learning_rate: float | None = option(None, "the critic's learning rate; None = learning_rate")
+    whiten_advantages: bool = option(True, "normalise the advantages over active tokens")
 
     def validate(self) -> None:
         super().validate()
@@ -116,6 +119,14 @@ def clipped_value_loss(values, old_values, returns, mask, cliprange: float):
     return 0.5 * (loss * m).sum(), clip_count
 
 
+@dataclass
+class PPORollout(Rollout):
+    """A rollout with the critic's view: its values at sampling time and the GAE returns."""
+
+    old_values: torch.Tensor | None = None  # [N, C]
+    returns: torch.Tensor | None = None  # [N, C]
+
+
 class ValueModel(torch.nn.Module):
     """The critic: a copy of the policy's decoder with a scalar head, V(state before token t)."""
 
@@ -167,7 +178,42 @@ class PPOTrainer(GRPOTrainer):
                 ]
             )
 
-    def accumulate_value_gradients(self, batch: Rollout, old_values, returns, num_items) -> dict:
+    def compute_advantages(self, batch: Rollout) -> PPORollout:
+        """GAE advantages [N, C] from the critic's values; the group statistics are kept for
+        logging. Unscored completions leave both losses (their mask is zeroed)."""
+        config = self.config
+        batch = super().compute_advantages(batch)
+        scores = batch.advantages.rewards  # [N], the weighted reward sum, NaN where unscored
+        mask = batch.completion_mask * (~scores.isnan()).unsqueeze(1)  # [N, C]
+        old_values = self.rollout_values(batch)  # [N, C]
+        advantages, returns = gae(terminal_rewards(scores.nan_to_num(0.0), mask), old_values, mask,
+                                  config.gamma, config.lam)
+        if config.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+        fields.update(completion_mask=mask, advantages=batch.advantages._replace(advantages=advantages))
+        return PPORollout(**fields, old_values=old_values, returns=returns)
+
+    def accumulate_gradients(self, batch: PPORollout, num_items) -> dict:
+        """The policy's backward passes (GRPO's own), then the critic's."""
+        sums = super().accumulate_gradients(batch, num_items)
+        sums.update(self.accumulate_value_gradients(batch, num_items))
+        return sums
+
+    def optimizer_step(self) -> dict:
+        """Clips and steps the policy (GRPO's own), then the critic with its own AdamW."""
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        value_grad_norm = torch.nn.utils.clip_grad_norm_(self.value_model.parameters(), max_norm).item()
+        self.value_optimizer.step()
+        self.value_scheduler.step()
+        self.value_optimizer.zero_grad(set_to_none=True)
+        return dict(**super().optimizer_step(), value_grad_norm=value_grad_norm)
+
+    def extra_metrics(self, batch: PPORollout) -> dict:
+        mask = batch.completion_mask
+        return dict(value_mean=((batch.old_values * mask).sum() / mask.sum().clamp(min=1)).item())
+
+    def accumulate_value_gradients(self, batch: PPORollout, num_items) -> dict:
         """Backward of the clipped value loss, a token mean over the whole batch, in micro-batches."""
         config = self.config
         N, C = batch.completion_mask.shape
@@ -178,7 +224,7 @@ class PPOTrainer(GRPOTrainer):
             with autocast(self.device, self.bf16):
                 values = self.value_model(batch.input_ids[rows], batch.attention_mask[rows], C)
             value_sum, clip_count = clipped_value_loss(
-                values, old_values[rows], returns[rows], batch.completion_mask[rows], config.cliprange_value
+                values, batch.old_values[rows], batch.returns[rows], batch.completion_mask[rows], config.cliprange_value
             )
             (value_sum / num_items.clamp(min=1)).backward()
             loss += value_sum.item()
@@ -186,38 +232,5 @@ class PPOTrainer(GRPOTrainer):
         n = max(num_items.item(), 1)
         return dict(value_loss=loss / n, value_clip_frac=clipped / n)
 
-    def train_step(self) -> dict:
-        """One PPO step: rollout, values, GAE, num_iterations optimizer steps of both models."""
-        config = self.config
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        start = time.perf_counter()
-        batch = self.make_rollout()
-        mask = batch.completion_mask  # [N, C]
-        old_values = self.rollout_values(batch)  # [N, C]
-        scores = batch.advantages.rewards  # [N], the weighted reward sum
-        advantages, returns = gae(terminal_rewards(scores, mask), old_values, mask, config.gamma, config.lam)
-        if config.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)
-        batch = dataclasses.replace(batch, advantages=batch.advantages._replace(advantages=advantages))
-        num_items = mask.sum()
-        max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
-        passes = []
-        for _ in range(config.num_iterations):
-            sums = self.accumulate_gradients(batch, num_items)  # the policy, as GRPO does it
-            sums.update(self.accumulate_value_gradients(batch, old_values, returns, num_items))
-            sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm).item()
-            sums["value_grad_norm"] = torch.nn.utils.clip_grad_norm_(self.value_model.parameters(), max_norm).item()
-            for optimizer, scheduler in ((self.optimizer, self.scheduler), (self.value_optimizer, self.value_scheduler)):
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            passes.append(sums)
-        self.step += 1
-        elapsed = time.perf_counter() - start
-
-        value_mean = ((old_values * mask).sum() / num_items.clamp(min=1)).item()
-        return self._step_metrics(batch, passes, elapsed, value_mean=value_mean)
-
-    def resume(self, path: Optional[str] = None) -> int:
+    def resume(self, path: str | None = None) -> int:
         raise NotImplementedError("the PPO baseline does not resume: its checkpoints hold the policy, not the critic")

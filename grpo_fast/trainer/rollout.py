@@ -1,11 +1,12 @@
-"""The rollout: G sampled completions per prompt, their rewards, advantages and log-probs.
+"""The rollout: G sampled completions per prompt, their rewards and log-probs.
 
-Shared by the GRPO trainer and the PPO baseline: both sample with :func:`generate`, score
-with :func:`score`, and compute per-token log-probs of completions with
-:func:`completion_logits` + ``grpo_fast.token_logprobs`` (logits are computed only for the
-completion positions, never for the prompt).
+Shared by the GRPO trainer and the PPO baseline: both sample with a generation engine
+(``grpo_fast/trainer/generators/``), score with :func:`score`, and compute per-token
+log-probs of completions with :func:`completion_logits` + ``grpo_fast.token_logprobs``
+(logits are computed only for the completion positions, never for the prompt). The
+advantages are the trainer's next step (``GRPOTrainer.compute_advantages``).
 
-Sequence layout, N = num_prompts * G rows:
+Sequence layout, N = num_prompts * G rows (see :class:`~grpo_fast.trainer.generators.Generation`):
 
     input_ids      [N, P + C]   left-padded prompt, then the completion (right-padded after EOS)
     attention_mask [N, P + C]   1 on real prompt tokens and on completion tokens up to EOS
@@ -15,11 +16,11 @@ Sequence layout, N = num_prompts * G rows:
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
-from grpo_fast import group_advantages, token_logprobs
+from grpo_fast import token_logprobs
 from grpo_fast.outputs import GroupAdvantages
 
 
@@ -38,13 +39,11 @@ class Rollout:
     attention_mask: torch.Tensor  # [N, P + C]
     completion_mask: torch.Tensor  # [N, C] float32
     rewards: torch.Tensor  # [N, K] float32, NaN where a function returned None
-    advantages: GroupAdvantages  # .advantages [N], .rewards [N] (weighted sum), group stats
-    old_logprobs: Optional[torch.Tensor] = None  # [N, C], only when num_iterations > 1
-    ref_logprobs: Optional[torch.Tensor] = None  # [N, C], only when beta != 0
-
-    @property
-    def completion_ids(self) -> torch.Tensor:
-        return self.input_ids[:, -self.completion_mask.shape[1] :]
+    old_logprobs: torch.Tensor | None = None  # [N, C], only when num_iterations > 1
+    ref_logprobs: torch.Tensor | None = None  # [N, C], only when beta != 0
+    # set by the trainer's compute_advantages: .advantages [N] (or [N, C] for PPO),
+    # .rewards [N] (weighted sum, NaN where unscored), group stats
+    advantages: GroupAdvantages | None = None
 
 
 def autocast(device: torch.device, bf16: bool):
@@ -52,71 +51,6 @@ def autocast(device: torch.device, bf16: bool):
     if bf16 and device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-@torch.no_grad()
-def generate(
-    model,
-    tokenizer,
-    prompts: list,
-    *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    max_prompt_length: Optional[int] = None,
-    bf16: bool = False,
-):
-    """Samples one completion per prompt with Hugging Face ``generate`` (KV cache, stop at EOS).
-
-    Returns ``(input_ids [N, P + C], attention_mask [N, P + C], completion_mask [N, C],
-    completions: list[str])``. Repeat each prompt G times in ``prompts`` for G samples.
-    """
-    from transformers import GenerationConfig
-
-    device = next(model.parameters()).device
-    tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
-    # Each distinct prompt is tokenized once (a prompt's G samples are adjacent copies).
-    distinct, index = [], []
-    for prompt in prompts:
-        if not distinct or distinct[-1] != prompt:
-            distinct.append(prompt)
-        index.append(len(distinct) - 1)
-    enc = tokenizer(
-        distinct,
-        return_tensors="pt",
-        padding=True,
-        truncation=max_prompt_length is not None,
-        max_length=max_prompt_length,
-        add_special_tokens=False,
-    )
-    index = torch.tensor(index)
-    enc = {key: value[index].to(device) for key, value in enc.items() if key in ("input_ids", "attention_mask")}
-    gen_config = GenerationConfig(
-        do_sample=True,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=0,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        use_cache=True,
-    )
-    was_training = model.training
-    model.eval()
-    with autocast(device, bf16):
-        sequences = model.generate(**enc, generation_config=gen_config)
-    model.train(was_training)
-    P = enc["input_ids"].shape[1]
-    completion_ids = sequences[:, P:]  # [N, C]
-    C = completion_ids.shape[1]
-    is_eos = completion_ids == tokenizer.eos_token_id
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], C, dtype=torch.long))
-    completion_mask = (torch.arange(C, device=device).unsqueeze(0) <= first_eos.unsqueeze(1)).long()  # [N, C]
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
-    input_ids = torch.cat([enc["input_ids"], completion_ids], dim=1)
-    attention_mask = torch.cat([enc["attention_mask"], completion_mask], dim=1)
-    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return input_ids, attention_mask, completion_mask.float(), completions
 
 
 def score(reward_funcs: list, prompts: list, completions: list, columns: dict) -> torch.Tensor:
@@ -147,7 +81,7 @@ def score(reward_funcs: list, prompts: list, completions: list, columns: dict) -
     return scores
 
 
-def _first_failing_sample(func: Callable, prompts: list, completions: list, columns: dict) -> Optional[int]:
+def _first_failing_sample(func: Callable, prompts: list, completions: list, columns: dict) -> int | None:
     """Index of the first sample on which ``func`` raises when called on it alone."""
     for i in range(len(prompts)):
         try:
@@ -188,7 +122,7 @@ def completion_logprobs(
     num_completion_tokens: int,
     *,
     temperature: float = 1.0,
-    micro_batch_size: Optional[int] = None,
+    micro_batch_size: int | None = None,
     bf16: bool = False,
 ) -> torch.Tensor:
     """Per-token log-probs of the completion tokens under ``model``: [N, C] float32, no grad."""
@@ -212,29 +146,27 @@ def reference_context(policy, reference):
 
 
 def rollout(
-    policy,
-    tokenizer,
+    generator,
     rows: list,
+    keys: list,
     reward_funcs: list,
     *,
     group_size: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    max_prompt_length: Optional[int] = None,
-    reward_weights: Optional[list] = None,
-    advantage_scale: str = "group",
+    policy=None,
     reference=None,
     need_old_logprobs: bool = False,
-    micro_batch_size: Optional[int] = None,
+    temperature: float = 1.0,
+    micro_batch_size: int | None = None,
     bf16: bool = False,
 ) -> Rollout:
-    """Generation, rewards, group advantages and (when asked) old/reference log-probs.
+    """Generation, rewards and (when asked) old/reference log-probs of one batch.
 
     Args:
-        policy: a ``transformers`` causal LM (optionally peft-wrapped).
+        generator: a generation engine (``grpo_fast.trainer.generators``).
         rows: dataset rows, each with a "prompt" str and optional answer/test columns.
+        keys: [len(rows)] int, the rows' positions in the run's data order.
         reward_funcs: ``f(prompts, completions, **columns) -> list[float | None]``.
+        policy: the causal LM being trained (for old log-probs and a LoRA reference).
         reference: a frozen model for the KL term (the policy itself for peft: adapters
             are disabled), or None for no reference log-probs.
         need_old_logprobs: compute the sampling policy's log-probs (needed when the batch
@@ -242,36 +174,24 @@ def rollout(
     """
     prompts = [row["prompt"] for row in rows for _ in range(group_size)]
     columns = {key: [row[key] for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
-    input_ids, attention_mask, completion_mask, completions = generate(
-        policy,
-        tokenizer,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        max_prompt_length=max_prompt_length,
-        bf16=bf16,
-    )
-    rewards = score(reward_funcs, prompts, completions, columns)
-    weights = None if reward_weights is None else torch.tensor(reward_weights, dtype=torch.float32)
-    advantages = group_advantages(rewards, group_size, scale=advantage_scale, reward_weights=weights)
-    C = completion_mask.shape[1]
+    out = generator.generate([row["prompt"] for row in rows], group_size, keys)
+    rewards = score(reward_funcs, prompts, out.completions, columns)
+    C = out.completion_mask.shape[1]
     logprob_args = dict(temperature=temperature, micro_batch_size=micro_batch_size, bf16=bf16)
-    old = completion_logprobs(policy, input_ids, attention_mask, C, **logprob_args) if need_old_logprobs else None
+    ids, mask = out.input_ids, out.attention_mask
+    old = completion_logprobs(policy, ids, mask, C, **logprob_args) if need_old_logprobs else None
     ref = None
     if reference is not None:
         with reference_context(policy, reference):
-            ref = completion_logprobs(reference, input_ids, attention_mask, C, **logprob_args)
-    device = input_ids.device
+            ref = completion_logprobs(reference, ids, mask, C, **logprob_args)
     return Rollout(
         prompts=prompts,
-        completions=completions,
+        completions=out.completions,
         columns=columns,
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        completion_mask=completion_mask,
+        input_ids=ids,
+        attention_mask=mask,
+        completion_mask=out.completion_mask,
         rewards=rewards,
-        advantages=GroupAdvantages(*(t.to(device) for t in advantages)),
         old_logprobs=old,
         ref_logprobs=ref,
     )

@@ -3,7 +3,6 @@
 import json
 import math
 import os
-from typing import Optional
 
 METRIC_KEYS = (
     "step",
@@ -61,20 +60,18 @@ def tenth_means(history: list, key: str = "reward_mean") -> tuple:
     return sum(values[:n]) / n, sum(values[-n:]) / n
 
 
-def plot_rewards(history: list, path: str) -> Optional[str]:
+def plot_rewards(history: list, path: str) -> str | None:
     """Reward (and KL when logged) per step to a PNG; returns the path, or None without matplotlib."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: the caller's plotting backend is left alone
     except ImportError:
         return None
     steps = [m["step"] for m in history]
     has_kl = any(m.get("kl") is not None for m in history)
-    fig, axes = plt.subplots(1, 2 if has_kl else 1, figsize=(10 if has_kl else 5, 3.5), squeeze=False)
+    fig = Figure(figsize=(10 if has_kl else 5, 3.5))
+    axes = fig.subplots(1, 2 if has_kl else 1, squeeze=False)
     ax = axes[0, 0]
-    ax.plot(steps, [m["reward_mean"] for m in history], label="reward mean")
+    ax.plot(steps, [math.nan if m["reward_mean"] is None else m["reward_mean"] for m in history], label="reward mean")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
@@ -86,7 +83,6 @@ def plot_rewards(history: list, path: str) -> Optional[str]:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 
