@@ -92,3 +92,24 @@ def test_console_script_points_at_main():
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--help"])
     assert exit_info.value.code == 0
+
+
+def test_every_train_flag_has_a_help_line_with_its_default(capsys):
+    import dataclasses
+
+    from grpo_fast.trainer import GRPOConfig
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for field in dataclasses.fields(GRPOConfig):
+        assert f"{field.metadata['help']} (default:" in " ".join(text.split()), field.name
+
+
+def test_the_cli_imports_benchmarks_only_for_the_bench_command():
+    import subprocess
+    import sys
+
+    code = "import sys, grpo_fast.cli; print(any(m.startswith('grpo_fast.bench') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -119,8 +119,11 @@ def test_matches_reference(loss_type, importance_sampling, bias):
         dict(loss_type="dapo", num_items_in_batch=40),
         dict(return_entropy=True, temperature=0.9),
         dict(importance_weights="per_token"),
+        dict(beta=0.1, kl_bias_correction=True),
+        dict(loss_type="cispo", eps_high=3.0, beta=0.1, kl_bias_correction=True, importance_sampling="sequence"),
     ],
-    ids=["temp0.7", "temp1.3_k1", "k2", "delta_dual_clip", "dapo_num_items", "entropy", "importance_weights"],
+    ids=["temp0.7", "temp1.3_k1", "k2", "delta_dual_clip", "dapo_num_items", "entropy", "importance_weights",
+         "kl_bias", "cispo_seq_kl_bias"],  # fmt: skip
 )
 @pytest.mark.parametrize("chunk_size", [1, 7, None])
 def test_options_and_chunks(options, chunk_size):
@@ -145,6 +148,15 @@ def test_on_policy_and_empty_mask_row():
     assert_matches(out, grads, expected, expected_grads, 1e-5)
     assert out.ratio_mean == 1
     assert grads[0][0].abs().max() == 0  # no gradient from a fully masked row
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo"])
+def test_all_masked_batch_is_zero_not_nan(loss_type):
+    """Every completion masked: loss 0 and zero gradients (the normaliser counts as 1)."""
+    case = make_case()
+    case["mask"].zero_()
+    out, grads = run_fused(case, chunk_size=4, beta=0.04, loss_type=loss_type, num_items_in_batch=0)
+    assert out.loss.item() == 0.0 and all(g.abs().max().item() == 0.0 for g in grads)
 
 
 @pytest.mark.parametrize("fp32_weight_grad", [True, False])

@@ -169,8 +169,10 @@ def test_fused_loss_across_blocks(loss_type, importance_sampling):
         dict(loss_type="dapo", num_items_in_batch=torch.tensor(11.0), kl_estimator="k2", beta=0.2),
         dict(loss_type="sapo", sapo_tau_pos=2.0, sapo_tau_neg=0.5, return_entropy=True),
         dict(old=None, beta=0.04, return_entropy=True),
+        dict(beta=0.1, kl_bias_correction=True, kl_estimator="k1"),
+        dict(old=None, beta=0.1, kl_bias_correction=True),
     ],
-    ids=["dual_delta_k1", "dapo_items_k2", "sapo_entropy", "on_policy"],
+    ids=["dual_delta_k1", "dapo_items_k2", "sapo_entropy", "on_policy", "kl_bias_k1", "kl_bias_on_policy"],
 )
 def test_fused_loss_options(options):
     batch = make_batch(3, 4, BLOCK + 1, seed=2)

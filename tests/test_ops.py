@@ -113,8 +113,11 @@ def test_grpo_loss_matrix(backend, loss_type, importance_sampling, regime, kl):
         dict(loss_type="dapo", num_items_in_batch=40),
         dict(return_entropy=True),
         dict(loss_type="sapo", sapo_tau_pos=2.0, sapo_tau_neg=0.5),
+        dict(beta=0.1, kl_bias_correction=True),
+        dict(loss_type="dapo", beta=0.1, kl_estimator="k2", kl_bias_correction=True),
     ],
-    ids=["temp0.7", "temp1.3_k1", "k2", "delta", "dual_clip", "bnpo_dual_delta", "dapo_num_items", "entropy", "sapo_tau"],
+    ids=["temp0.7", "temp1.3_k1", "k2", "delta", "dual_clip", "bnpo_dual_delta", "dapo_num_items", "entropy", "sapo_tau",
+         "kl_bias", "dapo_k2_kl_bias"],  # fmt: skip
 )
 @pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
 def test_grpo_loss_options(backend, options, importance_sampling):
@@ -157,6 +160,39 @@ def test_empty_mask_row_and_all_masked(backend):
                               ref_logprobs=case["ref_logprobs"])  # fmt: skip
     out.loss.backward()
     assert out.loss.item() == 0.0 and logits.grad.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("num_items", [None, 0, "tensor0"])
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "bnpo", "grpo"])
+def test_all_masked_batch_is_zero_not_nan(backend, loss_type, num_items):
+    """Every completion masked (e.g. all truncated and masked): loss 0 and gradient 0, never
+    NaN, as TRL and Liger clamp the normaliser; a num_items_in_batch of 0 counts as 1."""
+    case = make_case(regime="clipped", seed=11)
+    case["mask"].zero_()
+    logits = case["logits"].detach().requires_grad_()
+    n = torch.tensor(0.0) if num_items == "tensor0" else num_items
+    out = grpo_fast.grpo_loss(logits, case["ids"], case["advantages"], case["mask"], case["old_logprobs"],
+                              case["ref_logprobs"], loss_type=loss_type, beta=0.04, num_items_in_batch=n,
+                              eps_high=5.0 if loss_type == "cispo" else None)  # fmt: skip
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and logits.grad.abs().max().item() == 0.0
+    assert all(getattr(out, k).item() == 0.0 for k in ("kl", "clip_ratio_low", "clip_ratio_high", "ratio_mean"))
+
+
+def test_bias_corrected_kl_gradient_on_policy(backend):
+    """On-policy (ratio 1) the bias-corrected KL has the plain KL's value but not its gradient:
+    d(w kl)/dlogp = kl + dkl/dlogp at w = 1 (TRL's use_bias_correction_kl)."""
+    case = make_case(regime="on_policy", seed=12)
+    grads = []
+    for corrected in (False, True):
+        out = check_against_reference(case, 1e-5, beta=0.1, kl_bias_correction=corrected)
+        logits = case["logits"].detach().requires_grad_()
+        args = (case["ids"], case["advantages"], case["mask"], None, case["ref_logprobs"])
+        (grad,) = torch.autograd.grad(grpo_fast.grpo_loss(logits, *args, beta=0.1, kl_bias_correction=corrected).loss,
+                                      logits)  # fmt: skip
+        grads.append((out.loss.item(), grad))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
+    assert rel_err(grads[1][1], grads[0][1]) > 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

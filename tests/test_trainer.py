@@ -13,7 +13,9 @@ import pytest
 import torch
 from conftest import rel_err
 
+import grpo_fast
 from grpo_fast import reference
+from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.tasks.arithmetic import arithmetic_reward, build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer, RewardError
 from grpo_fast.trainer import checkpoint as ckpt
@@ -97,10 +99,12 @@ def test_score_none_is_nan_and_extra_columns_reach_the_function():
 # ---------------------------------------------------------------- the update
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batches_give_the_full_batch_gradient(tmp_path, loss_type):
-    """Gradient accumulation over micro-batches of 3 (uneven) equals one full-batch backward."""
-    trainer = GRPOTrainer(small_config(tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2))
+    """Gradient accumulation over micro-batches of 3 (uneven) equals one full-batch backward,
+    for every loss type of the spec."""
+    eps_high = 5.0 if loss_type == "cispo" else None
+    trainer = GRPOTrainer(small_config(tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2, eps_high=eps_high))
     batch = trainer.compute_advantages(trainer.make_rollout())
     assert batch.old_logprobs is not None and batch.ref_logprobs is not None
     num_items = batch.completion_mask.sum()
@@ -258,6 +262,10 @@ def test_dataset_rows_and_reward_columns(tmp_path):
         (dict(dataset="/nonexistent/data.jsonl"), "dataset path '/nonexistent/data.jsonl' does not exist"),
         (dict(loss_type="ppo"), "loss_type must be one of"),
         (dict(reward_funcs=["a", "b"], reward_weights=[1.0]), "one weight per entry"),
+        (dict(eps_low=1.0), "eps_low must be < 1"),
+        (dict(delta=1.0), "delta must be a finite number > 1"),
+        (dict(dual_clip=0.9), "dual_clip must be a finite number > 1"),
+        (dict(generator="vllm2"), "generator must be one of"),
     ],
 )
 def test_bad_config_is_a_value_error(overrides, message):
@@ -288,3 +296,65 @@ def test_a_raising_reward_stops_the_run_with_its_name(tmp_path):
     trainer = GRPOTrainer(small_config(tmp_path), reward_funcs=[broken_reward])
     with pytest.raises(RewardError, match=r"'broken_reward' raised KeyError.*sample 0 \(prompt="):
         trainer.train()
+
+
+# ---------------------------------------------------------------- seams
+
+
+def test_every_loss_option_reaches_the_loss(tmp_path):
+    """dual_clip, SAPO's temperatures and the bias-corrected KL are config keys, read by the
+    trainer as one LossConfig."""
+    config = small_config(tmp_path, loss_type="sapo", sapo_tau_pos=2.0, sapo_tau_neg=0.5, kl_bias_correction=True)
+    trainer = GRPOTrainer(config)
+    assert trainer.loss_config == grpo_fast.LossConfig(
+        beta=config.beta, loss_type="sapo", sapo_tau_pos=2.0, sapo_tau_neg=0.5, kl_bias_correction=True,
+        max_completion_length=config.max_new_tokens,
+    )  # fmt: skip
+    trainer.train_step()
+
+
+def test_trainer_leaves_its_callers_state_alone(tmp_path):
+    """The caller's tokenizer settings, torch's thread count and matplotlib's backend are
+    unchanged by a whole run (train() plots its rewards)."""
+    import matplotlib
+
+    tokenizer = build_tokenizer()
+    tokenizer.padding_side, tokenizer.truncation_side = "right", "right"
+    threads, backend = torch.get_num_threads(), matplotlib.get_backend()
+    trainer = GRPOTrainer(small_config(tmp_path, steps=2), model=build_model(tokenizer), tokenizer=tokenizer)
+    trainer.train()
+    assert (tokenizer.padding_side, tokenizer.truncation_side) == ("right", "right")
+    assert torch.get_num_threads() == threads and matplotlib.get_backend() == backend
+    assert os.path.isfile(trainer.plot_path)
+
+
+class ScriptedEngine:
+    """A generation engine for the test below: answers every prompt with its sample index."""
+
+    def __init__(self, model, tokenizer, config, *, bf16=False):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def generate(self, prompts, group_size, keys):
+        from grpo_fast.trainer.generators import Generation
+
+        self.calls.append(list(keys))
+        texts = [str(i) for _ in prompts for i in range(group_size)]
+        enc = self.tokenizer([p for p in prompts for _ in range(group_size)], return_tensors="pt", padding=True,
+                             padding_side="left", add_special_tokens=False)  # fmt: skip
+        ids = torch.tensor([[self.tokenizer.convert_tokens_to_ids(t), self.tokenizer.eos_token_id] for t in texts])
+        ones = torch.ones_like(ids)
+        input_ids = torch.cat([enc["input_ids"], ids], 1)
+        return Generation(input_ids, torch.cat([enc["attention_mask"], ones], 1), ones.float(), texts)
+
+
+def test_a_generation_engine_is_one_registry_row(tmp_path, monkeypatch):
+    """An engine registered in generators.ENGINES is built and used by the trainer, and gets
+    each prompt's data position as its key."""
+    from grpo_fast.trainer import generators
+
+    monkeypatch.setitem(generators.ENGINES, "scripted", f"{__name__}:ScriptedEngine")
+    trainer = GRPOTrainer(small_config(tmp_path, generator="scripted"))
+    batch = trainer.compute_advantages(trainer.make_rollout())
+    assert isinstance(trainer.generator, ScriptedEngine) and trainer.generator.calls == [[0, 1, 2, 3]]
+    assert batch.completions[:4] == ["0", "1", "2", "3"]
+    assert trainer.train_step()["step"] == 1 and trainer.generator.calls[-1] == [4, 5, 6, 7]

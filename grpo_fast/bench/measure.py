@@ -1,8 +1,8 @@
 """Measurement helpers shared by the benchmarks: timing quantiles and peak memory.
 
 Peak memory on CPU is the growth of the peak resident set of a fresh process that runs
-one configuration (DESIGN.md): ``run_isolated`` starts ``ARGV --worker JSON``, and the
-worker reports ``peak_rss_growth`` around what it measures.
+one configuration (docs/design.md, "How we measure"): ``run_isolated`` starts
+``ARGV --worker JSON``, and the worker reports ``peak_rss_growth`` around what it measures.
 """
 
 import json

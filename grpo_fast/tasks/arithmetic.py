@@ -1,13 +1,13 @@
 """The built-in demo: single-digit addition learned from scratch by a tiny causal LM.
 
-Prompts are ``"a+b="`` with a, b in 0..9; the answer is the decimal sum, 0..18. The
+Prompts are ``"a+b="`` with a, b >= 0 and a + b <= 9; the answer is the decimal sum. The
 tokenizer is character level (digits, ``+``, ``=`` and the special tokens), built with
 ``tokenizers`` and wrapped in ``PreTrainedTokenizerFast``; the model is a 2-layer
 Llama-style transformer built from a ``transformers`` config (about 0.1M parameters).
 
 The reward gives partial credit so that an untrained policy already scores a little and
-every step of progress is visible: a completion that is a number scores
-``max(0, 1 - |number - answer| / 10)``; anything else scores 0. A random policy rarely
+every step of progress is visible: the exact sum scores 1, another number n scores
+``max(0, 0.5 - |n - answer| / 20)``, anything else 0. A random policy rarely
 writes a bare number, so the reward starts low; it first learns the format (a number,
 then EOS) and then the sums.
 """
@@ -84,7 +84,7 @@ def build_dataset(num_rows: int = 1000, seed: int = 0) -> list[dict]:
 
 
 def arithmetic_reward(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float]:
-    """Partial credit ``max(0, 1 - |n - answer| / 10)`` for a completion that is a number n, else 0."""
+    """1 for a completion that is the answer, ``max(0, 0.5 - |n - answer| / 20)`` for another number n, else 0."""
     rewards = []
     for completion, target in zip(completions, answer):
         text = completion.strip()
