@@ -358,3 +358,35 @@ def test_bad_input_token_logprobs(backend):
         grpo_fast.token_logprobs(logits, torch.zeros(3, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
         grpo_fast.token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long), temperature=math.inf)
+
+
+# ----------------------------------------------------------------------------- policy_loss
+
+
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_policy_loss_from_logprobs_matches_reference(backend, loss_type, importance_sampling):
+    """The loss from log-probs the caller already has: value, gradient and metrics as the reference's."""
+    case = make_case(regime="clipped", seq_adv=False, seed=13)
+    logp64 = reference.token_logprobs(case["logits"].double(), case["ids"]).requires_grad_()
+    entropy = torch.rand(logp64.shape, dtype=torch.float64)
+    args = (case["advantages"], case["mask"], case["old_logprobs"], case["ref_logprobs"])
+    options = dict(loss_type=loss_type, importance_sampling=importance_sampling, max_completion_length=8, beta=0.04,
+                   eps_high=1.2 if loss_type == "cispo" else 0.28, kl_bias_correction=True)  # fmt: skip
+    logp = logp64.detach().float().requires_grad_()
+    out = grpo_fast.policy_loss(logp, *args, entropy=entropy.float(), **options)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    want = reference.policy_loss(logp64, *args, entropy=entropy, **options)
+    (want_grad,) = torch.autograd.grad(want.loss, logp64)
+    assert rel_err(out.loss, want.loss) < 1e-5 and rel_err(grad, want_grad) < 1e-5
+    for name in METRICS:
+        assert abs(getattr(out, name).item() - getattr(want, name).item()) < 1e-5, name
+
+
+def test_policy_loss_bad_input():
+    with pytest.raises(ValueError, match="logprobs must have 2 dimensions"):
+        grpo_fast.policy_loss(torch.zeros(2, 3, 4), torch.zeros(2))
+    with pytest.raises(ValueError, match=r"advantages must have shape \[2, 3\] or \[2\]"):
+        grpo_fast.policy_loss(torch.zeros(2, 3), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"entropy must have shape \[B, T\]"):
+        grpo_fast.policy_loss(torch.zeros(2, 3), torch.zeros(2), entropy=torch.zeros(3))

@@ -56,7 +56,7 @@ def test_cispo_may_have_eps_low_of_one():
 
 def test_public_signatures_and_docs_come_from_the_spec():
     names = [f.name for f in dataclasses.fields(LossConfig)]
-    for fn in (grpo_fast.grpo_loss, grpo_fast.fused_linear_grpo_loss):
+    for fn in (grpo_fast.grpo_loss, grpo_fast.fused_linear_grpo_loss, grpo_fast.policy_loss):
         params = inspect.signature(fn).parameters
         for f in dataclasses.fields(LossConfig):
             assert params[f.name].default == f.default and params[f.name].kind is inspect.Parameter.KEYWORD_ONLY
