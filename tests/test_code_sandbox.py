@@ -1,44 +1,48 @@
-"""code_reward and its sandbox: correct scores, and every attack of the issue scores 0 and
-leaves no trace.
+"""code_reward and its sandbox: correct scores, HumanEval and MBPP tests, and a battery of
+hostile programs that each score 0, change nothing outside and leave nothing running.
 
-Each attack program records whether its attack worked, and its test asserts that it did:
-a working attack would score 1.0, so "reward 0" means "the sandbox stopped it". The attacks
-are bounded so that a broken sandbox could not harm the machine either: the fork bomb stops
-at 300 sleeping processes (killed by pid in `finally`), the memory bomb asks for 1 GiB of
-untouched pages, the huge print writes 20 MB, files are touched only under tmp_path, and
-the signal sent to this test process is SIGUSR1, caught here.
+Each hostile program is written so that it scores 1.0 exactly when its attack works, so
+"reward 0" means "the sandbox stopped it". The battery runs once per mode this machine
+offers and the tests read its outcome:
+- "root":          namespaces made as root (when the tests run as root);
+- "user":          namespaces inside a user namespace, made by an unprivileged caller: a
+                   subprocess dropped to uid 65534 when the tests run as root;
+- "root-fallback", "user-fallback": GRPO_FAST_SANDBOX_NO_NAMESPACES=1, the mode for
+                   kernels without namespaces (seccomp, and Landlock where the kernel has it).
+The attacks are bounded so that a broken sandbox could not harm the machine either: the
+daemons are `sleep` processes found and killed by a unique argument, the memory and disk
+bombs stop at a few hundred MiB, files are touched only in a directory of the test's own
+and under unique names, and the only signal sent to a test process is SIGUSR1, caught.
 """
 
+import functools
+import json
 import os
+import secrets
+import shutil
 import signal
 import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
+import warnings
+from string import Template
 
 import pytest
 
 from grpo_fast.rewards import SandboxLimits, code_reward, extract_code, run_python
+from grpo_fast.rewards import _code_harness
 
-LIMITS = SandboxLimits(wall_time_s=2.0, memory_bytes=256 << 20, max_processes=16, output_bytes=64 << 10)
+LIMITS = SandboxLimits(wall_time_s=2.0, memory_bytes=256 << 20, max_processes=8, output_bytes=64 << 10)
 ROOT = os.geteuid() == 0
+NOBODY = 65534
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(params=["isolated", "unprivileged"])
-def sandbox_mode(request, monkeypatch):
-    """Run an attack with full isolation (root) and with the fallback a non-root caller gets.
-
-    The fallback runs as the caller; as root here, RLIMIT_NPROC, file permissions and signal
-    permissions do not stop it, so the tests check those only in the isolated mode.
-    """
-    if request.param == "isolated" and not ROOT:
-        pytest.skip("full isolation needs root")
-    if request.param == "unprivileged":
-        monkeypatch.setenv("GRPO_FAST_SANDBOX_UNPRIVILEGED", "1")
-    assert score("x = 1\n", ["assert x == 1"]) == 1.0  # the mode works at all
-    return request.param
-
-
-def score(code: str, tests, limits: SandboxLimits = LIMITS) -> float:
-    return code_reward(["prompt"], [code], tests=[tests], limits=limits)[0]
+def score(code: str, tests, limits: SandboxLimits = LIMITS, **columns) -> float:
+    return code_reward(["prompt"], [code], tests=[tests], limits=limits, **{k: [v] for k, v in columns.items()})[0]
 
 
 def processes_with(marker: str) -> list[int]:
@@ -77,14 +81,33 @@ def test_json_encoded_tests_and_missing_tests():
     assert rewards == [1.0, None, None]
 
 
+def test_values_cross_as_plain_data_with_python_equality():
+    code = textwrap.dedent("""
+        import collections
+        def f(kind):
+            return {"tuple": (1, (2.5, "x")), "set": {1, 2}, "frozenset": frozenset({b"a"}), "dict": {(1, 2): [None]},
+                    "complex": 1 + 2j, "bytearray": bytearray(b"z"), "nan": float("nan"), "big": 2**100,
+                    "counter": collections.Counter("aab"), "bool": True}[kind]
+        limit = 10
+        def fails():
+            raise ValueError("no")
+    """)
+    tests = ["assert f('tuple') == (1, (2.5, 'x')) and type(f('tuple')) is tuple", "assert f('set') == {1, 2}",
+             "assert f('frozenset') == frozenset({b'a'})", "assert f('dict') == {(1, 2): [None]}",
+             "assert f('complex') == 1 + 2j", "assert f('bytearray') == bytearray(b'z')",
+             "assert math.isnan(f('nan'))", "assert f('big') == 2**100", "assert f('counter') == {'a': 2, 'b': 1}",
+             "assert f('bool') == 1 and f('bool') is True", "assert limit == 10",
+             "try:\n    fails()\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError"]
+    assert score(code, tests) == 1.0
+
+
 def test_program_may_use_its_scratch_dir_and_stdlib():
     code = (
         "import json, os, re, collections\n"
         "with open('notes.txt', 'w') as f:\n    f.write('kept')\n"
-        "assert os.listdir('.') == ['notes.txt'] or sorted(os.listdir('.'))\n"
-        "def read():\n    return open('notes.txt').read()\n"
+        "def read():\n    return open('notes.txt').read(), sorted(os.listdir('.'))\n"
     )
-    assert score(code, ["assert read() == 'kept'"]) == 1.0
+    assert score(code, ["assert read() == ('kept', ['notes.txt'])"]) == 1.0
 
 
 def test_extract_code_takes_the_last_fenced_block():
@@ -96,55 +119,547 @@ def test_extract_code_takes_the_last_fenced_block():
 
 def test_run_python_isolation_facts():
     result = run_python(
-        "import os, sys\nprint(os.getuid(), os.getcwd(), sorted(os.listdir('.')), sorted(os.environ))\n"
-        "print(sys.stdin.read())",
+        "import os, sys\nprint(os.getuid(), os.getcwd(), sorted(os.listdir('.')), os.path.exists(sys.argv[1]))\n"
+        "print(sorted(os.environ))\nprint(sys.stdin.read())", args=(REPO,),
         files={"data.txt": "x"}, stdin="hello", limits=LIMITS,
     )
     assert result.ok, result
-    uid, cwd, listing, env_keys = result.stdout.splitlines()[0].split(" ", 3)
-    assert listing == "['data.txt']"
-    assert env_keys == "['HOME', 'LANG', 'PATH']"
-    assert result.stdout.splitlines()[1] == "hello"
-    if ROOT:
-        assert result.isolated and int(uid) != 0 and cwd == "/tmp"
+    head, env_keys, stdin = result.stdout.splitlines()
+    uid, cwd, listing, sees_repo = head.split(" ")
+    assert listing == "['data.txt']" and stdin == "hello"
+    assert env_keys == str(sorted(["HOME", "LANG", "PATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                   "MKL_NUM_THREADS"]))
+    if result.isolated:
+        assert cwd == "/tmp" and int(uid) != 0 and sees_repo == "False"  # the caller's files are not in its view
 
 
-# ---------------------------------------------------------------- attacks
+# ---------------------------------------------------------------- HumanEval and MBPP formats
+
+# Three problems in HumanEval's shape (prompt, canonical solution, test with
+# METADATA and check(candidate), entry point), written for these tests.
+HUMANEVAL = [
+    {
+        "prompt": 'from typing import List\n\n\ndef running_max(numbers: List[int]) -> List[int]:\n'
+                  '    """The largest element seen so far, at each position.\n'
+                  '    >>> running_max([1, 3, 2])\n    [1, 3, 3]\n    """\n',
+        "canonical_solution": "    out, best = [], None\n    for x in numbers:\n"
+                              "        best = x if best is None else max(best, x)\n        out.append(best)\n"
+                              "    return out\n",
+        "wrong_solution": "    return sorted(numbers)\n",
+        "test": "\n\nMETADATA = {'author': 'grpo_fast'}\n\n\ndef check(candidate):\n"
+                "    assert candidate([]) == []\n    assert candidate([1, 3, 2]) == [1, 3, 3]\n"
+                "    assert candidate([5, 4, 3]) == [5, 5, 5]\n    assert candidate([-1, 0, -2, 7]) == [-1, 0, 0, 7]\n",
+        "entry_point": "running_max",
+    },
+    {
+        # check() uses a helper of the prompt, as HumanEval's encode/decode problems do.
+        "prompt": "def encode_shift(s: str) -> str:\n"
+                  "    return ''.join(chr((ord(c) - ord('a') + 3) % 26 + ord('a')) for c in s)\n\n\n"
+                  'def decode_shift(s: str) -> str:\n    """Inverse of encode_shift."""\n',
+        "canonical_solution": "    return ''.join(chr((ord(c) - ord('a') - 3) % 26 + ord('a')) for c in s)\n",
+        "wrong_solution": "    return s[::-1]\n",
+        "test": "\n\nMETADATA = {}\n\n\ndef check(candidate):\n    import random\n    rng = random.Random(7)\n"
+                "    for _ in range(20):\n"
+                "        word = ''.join(rng.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(rng.randint(1, 12)))\n"
+                "        assert candidate(encode_shift(word)) == word\n",
+        "entry_point": "decode_shift",
+    },
+    {
+        "prompt": 'def mean_distance(xs: list, center: float) -> float:\n'
+                  '    """Mean absolute distance of xs from center."""\n',
+        "canonical_solution": "    return sum(abs(x - center) for x in xs) / len(xs)\n",
+        "wrong_solution": "    return max(abs(x - center) for x in xs)\n",
+        "test": "\n\ndef check(candidate):\n    assert abs(candidate([1.0, 2.0, 3.0], 2.0) - 2 / 3) < 1e-6\n"
+                "    assert abs(candidate([0.5], 0.0) - 0.5) < 1e-6\n"
+                "    assert abs(candidate([1.0, -1.0, 4.0], 0.0) - 2.0) < 1e-6\n",
+        "entry_point": "mean_distance",
+    },
+]
 
 
-def test_infinite_loop_is_killed_at_the_wall_limit(sandbox_mode):
-    limits = SandboxLimits(wall_time_s=1.0, max_processes=16)
+def test_humaneval_canonical_scores_one_and_wrong_zero():
+    """Both forms: HumanEval's columns (`tests` = its test source, `entry_point`, `setup` = its
+    prompt), and one self-contained dict per row."""
+    n = len(HUMANEVAL)
+    for solution in ("canonical_solution", "wrong_solution"):
+        completions = [f"```python\n{p['prompt']}{p[solution]}```" for p in HUMANEVAL]
+        expected = [1.0 if solution == "canonical_solution" else 0.0] * n
+        columns = code_reward(["p"] * n, completions, tests=[p["test"] for p in HUMANEVAL], limits=LIMITS,
+                              entry_point=[p["entry_point"] for p in HUMANEVAL], setup=[p["prompt"] for p in HUMANEVAL])
+        rows = code_reward(["p"] * n, completions, limits=LIMITS,
+                           tests=[{"test": p["test"], "entry_point": p["entry_point"], "setup": p["prompt"]}
+                                  for p in HUMANEVAL])
+        assert columns == expected and rows == expected, solution
+
+
+def test_humaneval_helpers_from_setup_stay_trusted():
+    """A completion that redefines the prompt's helper cannot make check() pass with it."""
+    problem = HUMANEVAL[1]
+    cheat = "def encode_shift(s):\n    return s\n\ndef decode_shift(s):\n    return s\n"
+    tests = {"test": problem["test"], "entry_point": "decode_shift", "setup": problem["prompt"]}
+    assert score(cheat, tests) == 0.0
+    assert score(problem["prompt"] + problem["canonical_solution"], tests) == 1.0
+
+
+def test_mbpp_asserts_with_setup_and_entry_point():
+    code = "def circle_area(r):\n    return 3.141592653589793 * r * r\n"
+    tests = {"asserts": ["assert math.isclose(circle_area(2), 12.566370614359172)",
+                         "assert isclose(circle_area(1), pi)"],
+             "setup": "from math import isclose, pi", "entry_point": "circle_area"}
+    assert score(code, tests) == 1.0
+    # With an entry point, a stub of that name in setup is the program's, not the stub.
+    stubbed = {**tests, "setup": tests["setup"] + "\ndef circle_area(r):\n    return 0.0\n"}
+    assert score(code, stubbed) == 1.0
+
+
+def test_exceptions_that_end_iterations_do_not_pass():
+    """StopIteration from the program would end `map` early and make `all(...)` true."""
+    code = "def f(x):\n    raise StopIteration\n"
+    assert score(code, ["assert all(map(lambda x: f(x) == x, [1, 2, 3]))"]) == 0.0
+
+
+def test_malformed_tests_raise_naming_the_sample():
+    with pytest.raises(ValueError, match=r"tests\[0\].*entry_point"):
+        code_reward(["p"], ["x = 1"], tests=[HUMANEVAL[0]["test"]])
+    with pytest.raises(ValueError, match=r"tests\[0\].*not valid Python"):
+        code_reward(["p"], ["x = 1"], tests=[["assert (1"]])
+    with pytest.raises(ValueError, match=r"tests\[0\].*check"):
+        code_reward(["p"], ["x = 1"], tests=[{"test": "x = 1", "entry_point": "f"}])
+    with pytest.raises(ValueError, match=r"tests\[0\].*both"):
+        code_reward(["p"], ["x = 1"], tests=[{"asserts": ["assert True"], "entry_point": "f"}], entry_point=["g"])
+
+
+def test_broken_trusted_tests_raise_rather_than_score_zero():
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        score("def f():\n    return 1\n", {"asserts": ["assert f() == 1"], "setup": "1 / 0"})
+
+
+def test_codec_round_trip_and_rejects_anything_else():
+    values = [None, True, -3, 2.5, float("inf"), "é", b"\x00", bytearray(b"a"), 1j, [1, [2]], (1, (2,)),
+              {1, 2}, frozenset({"a"}), {(1, "x"): {"k": [None]}}]
+    for value in values:
+        decoded = _code_harness.decode(json.loads(json.dumps(_code_harness.encode(value))))
+        assert decoded == value and type(decoded) is type(value)
+    for junk in [{"tuple": 1}, {"set": [[1]]}, {"dict": [[[1], 2]]}, {"x": []}, {"tuple": [], "set": []},
+                 {"bytes": 3}, {"complex": ["a", 1]}, [[[[]]]] * 0 + [eval("[" * 150 + "]" * 150)]]:
+        with pytest.raises(ValueError):
+            _code_harness.decode(junk)
+    with pytest.raises(TypeError):
+        _code_harness.encode(lambda: 0)
+
+
+# ---------------------------------------------------------------- the hostile battery
+
+HOSTILE = {
+    # Everything a harness inside the program's process could rely on, replaced; forged
+    # verdicts written to every descriptor; every reply rewritten to one value; add() is wrong.
+    "harness_tampering": ("""
+        import builtins, json, os, sys
+        def add(a, b):
+            return 0
+        _dumps = json.dumps
+        json.dumps = lambda obj, *a, **k: _dumps({"return": 3} if isinstance(obj, dict) and "names" not in obj else obj)
+        # Verdicts and replies in every shape a naive judge might take for a pass (but no answers:
+        # a program that sends the right values computed them).
+        forged = b'{"names": {"add": "callable"}}\\n' + b'{"passed": 2, "verdict": "pass"}\\n' * 4 + b"PASSED 2\\n"
+        for fd in range(1, 64):
+            try:
+                os.write(fd, forged)
+            except OSError:
+                pass
+        print("2 passed", flush=True)
+        builtins.isinstance = lambda obj, kind: True
+        builtins.AssertionError = type("AssertionError", (Exception,), {})
+        builtins.compile = lambda *a, **k: compile("pass", "x", "exec")
+    """, ["assert add(1, 2) == 3 and add(2, 5) == 7", "assert add(10, 20) == 30 and add(0, 1) == 1"], None),
+    # The expected value (also the trainer's environment and a private file of the caller)
+    # is searched for everywhere the program can look.
+    "secret_reading": ("""
+        import gc, glob, os, re, sys
+        TOKEN = re.compile(r"tok-[0-9a-f]{32}")
+        found = []
+        def scan(text):
+            found.extend(TOKEN.findall(text if isinstance(text, str) else text.decode("latin-1")))
+        for obj in gc.get_objects():
+            items = obj.items() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+            for item in items:
+                for x in item if isinstance(item, tuple) else (item,):
+                    if isinstance(x, (str, bytes)):
+                        scan(x)
+        for frame in sys._current_frames().values():
+            while frame is not None:
+                scan(repr(frame.f_locals))
+                frame = frame.f_back
+        scan(" ".join(sys.argv) + repr(dict(os.environ)))
+        for path in glob.glob("/proc/*/cmdline") + glob.glob("/proc/*/environ") + glob.glob("$target/*") + \\
+                glob.glob("/tmp/*") + glob.glob(os.path.expanduser("~/*")):
+            try:
+                with open(path, "rb") as f:
+                    scan(f.read(1 << 20))
+            except OSError:
+                pass
+        def guess():
+            return found[0] if found else None
+    """, ["assert guess() == '$secret'"], None),
+    "early_exit": ("""
+        import atexit, os
+        atexit.register(lambda: print("all tests passed"))
+        os._exit(0)
+    """, ["assert True", "assert 1 + 1 == 2"], None),
+    "always_equal": ("""
+        class Anything:
+            __eq__ = __le__ = __ge__ = lambda self, other: True
+            __ne__ = __lt__ = __gt__ = lambda self, other: False
+            __bool__ = lambda self: True
+            __hash__ = lambda self: 0
+        class Text(str):
+            __eq__ = Anything.__eq__
+        class Number(int):
+            __eq__ = Anything.__eq__
+            __class__ = property(lambda self: int)
+        def f(x):
+            return Anything()
+        def g(x):
+            return Text("no")
+        def h(x):
+            return Number(0)
+    """, ["assert f(1) == 2", "assert not (f(1) != 2)", "assert f(1) >= 3 and f(1) <= 3", "assert g(1) == 'yes'",
+          "assert h(1) == 3", "assert sorted([f(1), 2]) == [2, 2]"], None),
+    "assert_stripping": ("""
+        import builtins, os
+        _compile = builtins.compile
+        builtins.compile = lambda source, filename, mode, flags=0, dont_inherit=False, optimize=-1: \\
+            _compile(source, filename, mode, flags, dont_inherit, 2)
+        os.environ["PYTHONOPTIMIZE"] = "2"
+        def add(a, b):
+            return 0
+    """, ["assert add(1, 2) == 3", "assert add(2, 2) == 4"], None),
+    # Every route to a listening TCP port and Unix sockets of the test process.
+    "network": ("""
+        import ctypes, importlib, socket, struct, subprocess, sys
+        reached = 0
+        def attempt(route):
+            global reached
+            try:
+                route()
+                reached += 1
+            except Exception:
+                pass
+        def raw():
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.socket(socket.AF_INET, socket.SOCK_STREAM, 0)
+            address = struct.pack("=H", socket.AF_INET) + struct.pack("!H", $port) + bytes([127, 0, 0, 1]) + bytes(8)
+            if fd < 0 or libc.connect(fd, address, len(address)) != 0:
+                raise OSError(ctypes.get_errno(), "raw connect")
+        attempt(lambda: socket.create_connection(("127.0.0.1", $port), timeout=1))
+        attempt(lambda: importlib.reload(importlib.import_module("_socket")).socket().connect(("127.0.0.1", $port)))
+        attempt(raw)
+        attempt(lambda: subprocess.run([sys.executable, "-c", "import socket; socket.create_connection(('127.0.0.1', $port))"],
+                                       check=True, timeout=5, capture_output=True))
+        attempt(lambda: subprocess.run(["/bin/bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/$port"], check=True, timeout=5,
+                                       capture_output=True))
+        attempt(lambda: socket.socket(socket.AF_UNIX).connect("\\0$abstract"))
+        attempt(lambda: socket.socket(socket.AF_UNIX).connect("$target/sock"))
+        def routes():
+            return reached
+    """, ["assert routes() > 0"], None),
+    # The caller (trainer), the test process and the bootstrap; then every process it may reach.
+    "signals": ("""
+        import os, signal
+        hits = 0
+        for pid, sig in (($trainer_pid, 0), ($trainer_pid, signal.SIGUSR1), ($pytest_pid, signal.SIGUSR1),
+                         (os.getppid(), signal.SIGKILL)):
+            try:
+                os.kill(pid, sig)
+                hits += pid > 0
+            except OSError:
+                pass
+        def hit_count():
+            if os.getuid() != 0:  # never as root: were the sandbox broken, -1 would be the whole machine
+                try:
+                    os.kill(-1, signal.SIGKILL)
+                except OSError:
+                    pass
+            return hits
+    """, ["assert hit_count() > 0"], None),
+    "daemons": ("""
+        import os, subprocess, threading, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execv("/bin/sleep", ["sleep", "$sleep"])
+            os._exit(0)
+        subprocess.Popen(["/bin/sleep", "$sleep"], start_new_session=True)
+        threading.Thread(target=time.sleep, args=(60,)).start()  # keeps the interpreter from exiting
+        def add(a, b):
+            return 0
+    """, ["assert add(1, 2) == 3"], None),
+    "disk": ("""
+        import os
+        written = 0
+        for folder in (".", "/tmp", "/var/tmp", "/dev/shm"):
+            try:
+                for _ in range(64):
+                    with open(os.path.join(folder, f"$marker-{written}"), "wb") as f:
+                        f.write(bytes(1 << 20))
+                    written += 1
+            except OSError:
+                pass
+        def megabytes():
+            return written
+    """, ["assert megabytes() > 8"], None),
+    # Six processes of 48 MiB each: more than the sandbox's 256 MiB together.
+    "memory": ("""
+        import os
+        children = []
+        for _ in range(6):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    block = bytearray(48 << 20)
+                    os._exit(0)
+                except MemoryError:
+                    os._exit(1)
+            children.append(pid)
+        allocated = 0
+        for pid in children:
+            _, status = os.waitpid(pid, 0)
+            allocated += 48 * (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0)
+        try:
+            block = bytearray(1 << 30)
+            allocated += 1024
+        except MemoryError:
+            pass
+        def megabytes():
+            return allocated
+    """, ["assert megabytes() > 256"], None),
+    # The tests run in the judge, outside the sandbox: they look at the host's files.
+    "outside_writes": ("""
+        import os
+        for action in (lambda: open("$target/keep.txt", "w").write("pwned"), lambda: os.remove("$target/victim.txt"),
+                       lambda: open("$target/created.txt", "w").write("new"), lambda: os.chmod("$target/keep.txt", 0o777),
+                       lambda: open("/tmp/$marker", "w").write("x"), lambda: open("/var/tmp/$marker", "w").write("x"),
+                       lambda: open("/dev/shm/$marker", "w").write("x")):
+            try:
+                action()
+            except OSError:
+                pass
+    """, ["assert open('$target/keep.txt').read() == 'pwned'", "assert not os.path.exists('$target/victim.txt')",
+          "assert os.path.exists('$target/created.txt')", "assert os.stat('$target/keep.txt').st_mode & 0o777 == 0o777",
+          "assert os.path.exists('/tmp/$marker')", "assert os.path.exists('/var/tmp/$marker')",
+          "assert os.path.exists('/dev/shm/$marker')"], "import os"),
+}
+HOSTILE["honest"] = ("""
+    import os
+    def add(a, b):
+        return a + b
+""", ["assert add(1, 2) == 3 and add(2, 5) == 7", "assert os.path.exists('$target/keep.txt')"], "import os")
+# What the fallback without Landlock cannot stop (SECURITY.md): files outside its scratch dir.
+NEEDS_LANDLOCK = {"disk", "outside_writes", "secret_reading"}
+MODES = ["root", "user", "root-fallback", "user-fallback"]
+
+# Runs a batch as an unprivileged caller: grpo_fast.rewards alone (its package __init__
+# imports torch, which the interpreter that nobody may run need not have).
+RUNNER = """
+import json, os, signal, sys, types, warnings
+request = json.load(sys.stdin)
+package = types.ModuleType("grpo_fast")
+package.__path__ = [os.path.join(request["repo"], "grpo_fast")]
+sys.modules["grpo_fast"] = package
+from grpo_fast.rewards import SandboxLimits, code_reward, run_python
+received = []
+signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+programs = [p.replace("$$trainer_pid", str(os.getpid())) for p in request["programs"]]
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's, tested on its own
+    scores = code_reward(["p"] * len(programs), programs, tests=request["tests"],
+                         limits=SandboxLimits(**request["limits"]), max_workers=4)
+print(json.dumps({"scores": scores, "received": len(received), "isolation": run_python("pass").isolation}))
+"""
+
+
+@functools.cache
+def _unprivileged_python():
+    """An interpreter uid 65534 may run, with this repository readable to it, or None."""
+    for python in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
+        try:
+            check = subprocess.run([python, "-I", "-c", "import sys, ctypes, json; assert sys.version_info >= (3, 10); "
+                                    f"open({os.path.join(REPO, 'grpo_fast', 'rewards', 'sandbox.py')!r}).close()"],
+                                   user=NOBODY, group=NOBODY, extra_groups=[], capture_output=True)
+        except OSError:  # not even executable by that uid
+            continue
+        if check.returncode == 0:
+            return python
+    return None
+
+
+class Battery:
+    """Runs every hostile program in one mode, then records what reached the host."""
+
+    def __init__(self, mode: str, pytest_signals: list):
+        self.mode = mode
+        self.marker = f"grpo-fast-battery-{secrets.token_hex(6)}"
+        self.sleep = f"600.{secrets.randbelow(10**9)}"  # a unique argument for the daemons' sleep
+        self.secret = f"tok-{secrets.token_hex(16)}"
+        owner = NOBODY if mode.startswith("user") and ROOT else os.geteuid()
+        self.target = tempfile.mkdtemp(prefix="grpo_fast_target_", dir="/tmp")
+        for name, text in (("keep.txt", "original"), ("victim.txt", "victim"), ("secret.txt", self.secret)):
+            with open(os.path.join(self.target, name), "w") as f:
+                f.write(text)
+        os.chmod(os.path.join(self.target, "secret.txt"), 0o600)
+        for path in [self.target] + [os.path.join(self.target, n) for n in os.listdir(self.target)]:
+            os.chown(path, owner, owner)
+        self.servers = self._listen()
+        context = {"marker": self.marker, "sleep": self.sleep, "secret": self.secret, "target": self.target,
+                   "port": self.servers[0].getsockname()[1], "abstract": self.marker, "pytest_pid": os.getpid()}
+        self.names = list(HOSTILE)
+        programs, tests = [], []
+        for name in self.names:
+            program, asserts, setup = HOSTILE[name]
+            programs.append(Template(textwrap.dedent(program)).safe_substitute(context))
+            tests.append({"asserts": [Template(a).safe_substitute(context) for a in asserts], "setup": setup})
+        signals_before = len(pytest_signals)
+        request = {"repo": REPO, "programs": programs, "tests": tests,
+                   "limits": {"wall_time_s": 3.0, "memory_bytes": 256 << 20, "max_processes": 8,
+                              "scratch_bytes": 8 << 20}}
+        env = {**os.environ, "GRPO_FAST_SANDBOX_NO_NAMESPACES": str(int(mode.endswith("fallback")))}
+        # As root the interpreter may live where the sandbox uid cannot read it (pyenv under
+        # /root): the namespaces make it readable, the fallback cannot, so it gets one that is.
+        python = sys.executable if mode == "root" or not ROOT else _unprivileged_python()
+        as_nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if mode.startswith("user") and ROOT else {}
+        start = time.monotonic()
+        done = subprocess.run([python, "-I", "-c", RUNNER], input=json.dumps(request), env=env, capture_output=True,
+                              text=True, cwd="/", **as_nobody)
+        assert done.returncode == 0, done.stderr
+        reply = json.loads(done.stdout.splitlines()[-1])
+        self.scores, self.received, self.isolation = reply["scores"], reply["received"], reply["isolation"]
+        self.wall_s = time.monotonic() - start
+        self.pytest_signals = len(pytest_signals) - signals_before
+        self.connections = self._accepted()
+        self.processes = processes_with(self.sleep) + processes_with(self.marker)
+        self.leftovers = [os.path.join(d, n) for d in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(d)
+                          for n in os.listdir(d) if self.marker in n]
+        self.target_files = {n: open(os.path.join(self.target, n)).read() for n in sorted(os.listdir(self.target))
+                             if n != "sock"}
+        self.keep_mode = os.stat(os.path.join(self.target, "keep.txt")).st_mode & 0o777
+
+    def _listen(self):
+        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        tcp.bind(("127.0.0.1", 0))
+        abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        abstract.bind("\0" + self.marker)
+        path = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        path.bind(os.path.join(self.target, "sock"))
+        os.chmod(os.path.join(self.target, "sock"), 0o777)
+        for server in (tcp, abstract, path):
+            server.listen(8)
+            server.setblocking(False)
+        return tcp, abstract, path
+
+    def _accepted(self) -> int:
+        accepted = 0
+        for server in self.servers:
+            while True:
+                try:
+                    server.accept()[0].close()
+                    accepted += 1
+                except BlockingIOError:
+                    break
+            server.close()
+        return accepted
+
+    def score(self, name: str) -> float:
+        return self.scores[self.names.index(name)]
+
+    def cleanup(self) -> None:
+        for pid in self.processes:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for path in self.leftovers:
+            os.remove(path)
+        shutil.rmtree(self.target, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pytest_signals():
+    received = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+    yield received
+    signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def battery(request, pytest_signals):
+    mode = request.param
+    if mode.startswith("root") and not ROOT:
+        pytest.skip("the root modes need the tests to run as root")
+    if mode != "root" and ROOT and _unprivileged_python() is None:
+        pytest.skip("no Python interpreter and repository that uid 65534 may read, for an unprivileged caller "
+                    "or the fallback's sandbox uid")
+    run = Battery(mode, pytest_signals)
+    try:
+        expected = ("landlock", "none") if mode.endswith("fallback") else (mode,)
+        if run.isolation not in expected:
+            pytest.skip(f"this kernel gives a {mode} caller no namespaces (isolation={run.isolation})")
+        yield run
+    finally:
+        run.cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attack", [name for name in HOSTILE if name != "honest"])
+def test_hostile_program_scores_zero_and_leaves_no_trace(battery, attack):
+    if battery.isolation == "none" and attack in NEEDS_LANDLOCK:
+        pytest.skip("the fallback without Landlock does not confine files (SECURITY.md)")
+    assert battery.score(attack) == 0.0, (battery.mode, attack)
+    # Nothing outside changed, nothing is left running, nobody was signalled or reached.
+    assert battery.processes == [] and battery.leftovers == []
+    assert battery.target_files == {"keep.txt": "original", "secret.txt": battery.secret, "victim.txt": "victim"}
+    assert battery.keep_mode != 0o777
+    assert battery.connections == 0 and battery.pytest_signals == 0 and battery.received == 0
+
+
+@pytest.mark.slow
+def test_battery_scores_an_honest_program_in_the_same_batch(battery):
+    """The control: with the same limits, in the same batch, a correct program scores 1.0,
+    so the zeros above are the sandbox stopping attacks, not a sandbox that runs nothing."""
+    assert battery.score("honest") == 1.0
+    assert battery.wall_s < 30
+
+
+# ---------------------------------------------------------------- limits and exits (the default mode)
+
+
+def test_infinite_loop_is_killed_at_the_wall_limit():
+    limits = SandboxLimits(wall_time_s=1.0, memory_bytes=256 << 20, max_processes=8)
     start = time.monotonic()
     assert score("def f():\n    return 1\nwhile True:\n    pass\n", ["assert f() == 1"], limits) == 0.0
-    assert time.monotonic() - start < 1.0 + 5.0
+    assert score("def f():\n    while True:\n        pass\n", ["assert f() == 1", "assert True"], limits) == 0.5
+    assert time.monotonic() - start < 2 * 1.0 + 5.0
 
 
-def test_fork_bomb_is_capped_and_leaves_no_process(sandbox_mode):
-    marker = f"9{os.getpid() % 1000}.{time.time_ns() % 10**6}"  # a unique `sleep` argument
+def test_fork_bomb_is_capped_and_leaves_no_process():
+    marker = f"600.{secrets.randbelow(10**9)}"
     code = (
         "import os\nmade = 0\n"
         "for _ in range(300):\n"
         "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
         "    if pid == 0:\n"
-        "        try:\n            os.setsid()  # try to leave the process group as well\n"
+        "        try:\n            os.setsid()\n"
         f"        finally:\n            os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
         "    made += 1\n"
     )
     try:
-        reward = score(code, ["assert made >= 300"])
+        assert score(code, ["assert made >= 8"]) == 0.0
         assert processes_with(marker) == []  # also those that called setsid()
-        if sandbox_mode == "isolated":
-            assert reward == 0.0
     finally:
         for pid in processes_with(marker):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_memory_bomb_fails(sandbox_mode):
-    assert score("data = bytearray(1 << 30)\n", ["assert len(data) == 1 << 30"]) == 0.0
-
-
-def test_huge_print_is_cut_at_the_output_limit(sandbox_mode):
+def test_huge_print_is_cut_at_the_output_limit():
     code = "for _ in range(200):\n    print('x' * 100_000)\ndef f():\n    return 1\n"
     assert score(code, ["assert f() == 1"]) == 0.0
     result = run_python(code, limits=LIMITS)
@@ -153,95 +668,36 @@ def test_huge_print_is_cut_at_the_output_limit(sandbox_mode):
     assert len(result.stdout) <= LIMITS.output_bytes
 
 
-@pytest.mark.skipif(not ROOT, reason="the size-capped scratch tmpfs needs full isolation")
-def test_disk_filling_stops_at_the_scratch_size():
-    limits = SandboxLimits(wall_time_s=2.0, output_bytes=1 << 20, scratch_bytes=8 << 20)
-    code = "written = 0\ntry:\n    for i in range(64):\n        open(f'f{i}', 'wb').write(bytes(1 << 20))\n" \
-           "        written += 1\nexcept OSError:\n    pass\n"
-    assert score(code, ["assert written == 64"], limits) == 0.0
-    assert score(code, ["assert 4 <= written < 8"], limits) == 1.0
+def test_a_reply_larger_than_the_output_limit_fails():
+    code = "def f():\n    return 'x' * (1 << 20)\ndef g():\n    return 1\n"
+    assert score(code, ["assert len(f()) == 1 << 20", "assert g() == 1"]) == 0.0
 
 
-@pytest.mark.skipif(not ROOT, reason="without root the program has the caller's file permissions")
-def test_files_outside_the_scratch_dir_are_untouched(tmp_path):
-    keep, victim, created = tmp_path / "keep.txt", tmp_path / "delete_me.txt", tmp_path / "created.txt"
-    keep.write_text("original")
-    victim.write_text("victim")
-    escape = f"/tmp/grpo_fast_escape_{os.getpid()}"
-    code = (
-        "import os\ndone = []\n"
-        f"for action in (lambda: open({str(keep)!r}, 'w').write('pwned'), lambda: os.remove({str(victim)!r}),\n"
-        f"               lambda: open({str(created)!r}, 'w').write('new')):\n"
-        "    try:\n        action()\n        done.append(True)\n    except OSError:\n        pass\n"
-        f"open({escape!r}, 'w').write('escaped')  # /tmp inside the sandbox is its scratch dir\n"
-    )
-    try:
-        assert score(code, ["assert done"]) == 0.0
-        assert keep.read_text() == "original" and victim.exists() and not created.exists()
-        assert not os.path.exists(escape)
-    finally:
-        if os.path.exists(escape):
-            os.remove(escape)
-
-
-def test_environment_secrets_are_not_inherited(sandbox_mode, monkeypatch):
-    monkeypatch.setenv("GRPO_FAST_TEST_SECRET", "hunter2")
-    code = "import os\nleaked = os.environ.get('GRPO_FAST_TEST_SECRET')\n"
-    assert score(code, ["assert leaked == 'hunter2'"]) == 0.0
-
-
-def test_network_is_unreachable(sandbox_mode):
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    server.settimeout(0.2)
-    port = server.getsockname()[1]
-    code = (
-        "import socket\nconnected = False\n"
-        f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n    connected = True\n"
-        "except OSError:\n    pass\n"
-    )
-    try:
-        assert score(code, ["assert connected"]) == 0.0
-        with pytest.raises(socket.timeout):
-            server.accept()
-    finally:
-        server.close()
-
-
-@pytest.mark.skipif(not ROOT, reason="without root the program may signal the caller's processes")
-def test_killing_its_parent_or_the_caller_fails():
-    received = []
-    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
-    code = (
-        "import os, signal\nhits = 0\n"
-        f"for pid in ({os.getpid()}, os.getppid()):\n"
-        "    try:\n        os.kill(pid, signal.SIGUSR1 if pid != os.getppid() else signal.SIGKILL)\n        hits += 1\n"
-        "    except OSError:\n        pass\n"
-    )
-    try:
-        assert score(code, ["assert hits == 2"]) == 0.0
-        time.sleep(0.1)
-        assert received == []
-        assert score("x = 1\n", ["assert x == 1"]) == 1.0  # the sandbox still works
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
-
-
-@pytest.mark.parametrize("exit_call", ["sys.exit(0)", "os._exit(0)", "raise SystemExit"])
-def test_exit_before_the_tests_run_scores_zero(sandbox_mode, exit_call):
+@pytest.mark.parametrize("exit_call", ["sys.exit(0)", "os._exit(0)", "raise SystemExit", "raise KeyboardInterrupt"])
+def test_exit_before_or_during_the_tests_scores_only_what_passed(exit_call):
     code = f"import os, sys\n{exit_call}\n"
     assert score(code, ["assert True", "assert 1 + 1 == 2"]) == 0.0
+    during = f"import os, sys\ndef f():\n    {exit_call}\ndef g():\n    return 1\n"
+    assert score(during, ["assert g() == 1", "assert f() == 1", "assert g() == 1"]) == pytest.approx(1 / 3)
 
 
-def test_syntax_error_scores_zero(sandbox_mode):
+def test_syntax_error_scores_zero():
     assert score("def f(:\n    return 1\n", ["assert True"]) == 0.0
     assert score("def f(:\n", [{"input": "", "output": ""}]) == 0.0
 
 
-def test_forged_report_from_a_forked_child_is_ignored(sandbox_mode):
-    code = "import os\nif os.fork() == 0:\n    pass\nelse:\n    os.wait()\n    raise RuntimeError('parent fails')\n"
-    assert score(code, ["assert True"]) == 0.0
+def test_require_isolation_refuses_the_fallback_which_warns_once(monkeypatch):
+    from grpo_fast.rewards import sandbox
+
+    monkeypatch.setenv("GRPO_FAST_SANDBOX_NO_NAMESPACES", "1")
+    with pytest.raises(RuntimeError, match="isolation is required"):
+        code_reward(["p"], ["x = 1\n"], tests=[["assert x == 1"]], limits=LIMITS, require_isolation=True)
+    monkeypatch.setattr(sandbox, "_warned_fallback", type(sandbox._warned_fallback)())
+    with pytest.warns(RuntimeWarning, match="without namespaces"):
+        assert score("x = 1\n", ["assert x == 1"]) == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert score("x = 1\n", ["assert x == 1"]) == 1.0  # once per process
 
 
 # ---------------------------------------------------------------- parallel runs
@@ -251,7 +707,7 @@ def test_batch_runs_in_parallel_with_per_sample_results():
     sleeper = "import time\ntime.sleep(0.6)\ndef f():\n    return {}\n"
     completions = [sleeper.format(i) for i in range(4)] + ["while True:\n    pass\n", "def f(:\n"]
     tests = [[f"assert f() == {i}"] for i in range(4)] + [["assert True"], ["assert True"]]
-    limits = SandboxLimits(wall_time_s=2.0, max_processes=16)
+    limits = SandboxLimits(wall_time_s=2.0, memory_bytes=256 << 20, max_processes=8)
     start = time.monotonic()
     rewards = code_reward(["p"] * 6, completions, tests=tests, limits=limits, max_workers=6)
     elapsed = time.monotonic() - start
@@ -266,21 +722,23 @@ def test_batch_runs_in_parallel_with_per_sample_results():
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="wall_time_s"):
         SandboxLimits(wall_time_s=0)
+    with pytest.raises(ValueError, match="memory_bytes / max_processes"):
+        SandboxLimits(memory_bytes=64 << 20, max_processes=8)
     with pytest.raises(ValueError, match="tests"):
         code_reward(["p", "q"], ["x = 1", "x = 2"], tests=[["assert x"]])
     with pytest.raises(TypeError, match=r"tests\[0\]"):
         code_reward(["p"], ["x = 1"], tests=[["assert x", {"input": "1", "output": "1"}]])
     with pytest.raises(TypeError, match="program"):
         run_python(b"print(1)")
+    with pytest.raises(ValueError, match="plain file names"):
+        run_python("pass", files={"../x": ""})
 
 
-def test_a_sandbox_that_cannot_start_is_an_error_not_a_zero(tmp_path, monkeypatch):
+def test_a_sandbox_that_cannot_start_is_an_error_not_a_zero(monkeypatch):
     from grpo_fast.rewards import sandbox
 
-    broken = tmp_path / "boot.py"
-    broken.write_text("import sys\nsys.exit('cannot unshare')\n")
-    monkeypatch.setattr(sandbox, "_BOOT", str(broken))
-    with pytest.raises(RuntimeError, match="could not start.*cannot unshare"):
+    monkeypatch.setattr(sandbox, "_BOOT_COMMAND", "import sys; sys.exit('cannot unshare')")
+    with pytest.raises(RuntimeError, match="could not score.*cannot unshare"):
         score("x = 1\n", ["assert x == 1"])
     if ROOT:
         monkeypatch.setattr(sandbox, "UID_BASE", 2**32 - 1)  # (uid_t)-1 would keep root

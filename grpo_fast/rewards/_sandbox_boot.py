@@ -1,60 +1,109 @@
-"""Sandbox bootstrap: a standalone script, run by `sandbox.run_python` in a new session.
+"""Sandbox bootstrap: started by `sandbox.py` as `python -I -S -c "...; _sandbox_boot.main()"`.
 
-Usage: python -I -S _sandbox_boot.py CONFIG_JSON   (stdin: the program's stdin;
-stdout: one JSON status line; the program's stdout/stderr go to the fds named in CONFIG).
+Protocol: fd 0 carries length-prefixed JSON messages from the caller: the run's
+configuration, then (for judged runs) the tests, which are read only after the sandboxed
+child has been forked, so that they never exist in its memory. fd 1 carries status lines
+back: `{"started": ...}` once the sandbox is set up, then the final status. The program's
+stdout and stderr go to two memfds passed by the caller.
 
-It runs with the caller's privileges (root for full isolation) and
-  1. unshares new PID, network and mount namespaces (root only; otherwise it falls back to
-     rlimits, a Python-level socket block and killing every descendant it can find as their
-     child subreaper, see SECURITY.md);
-  2. forks the child, which becomes PID 1 of the new PID namespace. The child mounts a
-     fresh /proc, makes the interpreter reachable for the sandbox uid, mounts a
-     size-capped tmpfs scratch dir (with the input files) on /tmp and binds it over every
-     other world-writable dir, sets the resource limits,
-     drops to the sandbox uid with no_new_privs, and execs `python -I -S -c PROGRAM`;
-  3. waits for the child under the wall-clock limit and SIGKILLs it at the deadline. When
-     PID 1 of a namespace dies the kernel kills every other process in it, and waitpid on
-     PID 1 returns only after they are all gone: nothing the program started survives.
-Only the standard library is used: this file must run before anything is importable.
+The bootstrap:
+  1. enters new PID, network and IPC namespaces: directly as root, else inside a new user
+     namespace (any user, where the kernel allows it); where neither works, the fallback
+     (see SECURITY.md), which the caller may refuse;
+  2. forks the child, PID 1 of the new PID namespace. The child builds a private mount
+     namespace whose root is a small read-only tree (the system directories, the Python
+     installation, a few device nodes, a fresh /proc) with a size-capped tmpfs at /tmp,
+     /var/tmp and /dev/shm; drops every privilege (uid, groups, capabilities,
+     no_new_privs); sets the resource limits; and runs the program in the interpreter it
+     inherited from this process (no second interpreter start);
+  3. meanwhile judges (for code_reward's tests: `_code_harness.judge`) or waits, kills the
+     child at the deadline, and reports. When PID 1 of a namespace dies the kernel kills
+     every other process in it: nothing the program started survives. In the fallback this
+     process is the child subreaper and kills every descendant itself.
+Only the standard library is used: this module runs before anything else is importable.
 """
 
 import ctypes
 import json
 import os
+import re
 import resource
 import signal
 import stat
+import struct
 import sys
 import time
+import types
 
-CLONE_NEWNS = 0x00020000
-CLONE_NEWPID = 0x20000000
-CLONE_NEWNET = 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+import _code_harness
+
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+SANDBOX_NAMESPACES = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
-# Every directory a non-root user can write on a stock Linux image.
-WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue")
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 36, 38
 SETUP_FAILED = 121
+# Host directories the sandbox sees read-only (besides the Python installation): what
+# programs and the dynamic loader need. Home directories, /root, /var, /srv, /opt and the
+# caller's working tree are not among them.
+SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
+# Where the new root is assembled (in the private mount namespace, hiding what is there):
+# the first of these that exists and holds no Python directory, which must stay visible.
+ROOT_MOUNT_POINTS = ("/mnt", "/media", "/srv", "/opt", "/boot", "/tmp")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+# Sandboxed numeric libraries get one thread each: their default of one per core would
+# use up the process cap and the memory split across it.
+SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
+               "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# The fallback's scratch dir is a plain host directory: its total size is checked this
+# often (and the files counted, so that the check stays cheap), killing the sandbox when over.
+FALLBACK_POLL_S = 0.01
+FALLBACK_MAX_FILES = 10_000
 
-# Prepended to the program when no network namespace could be made (not root). A Python
-# level block only: code that reaches the socket syscall another way (ctypes) gets through.
-NETWORK_BLOCK_PRELUDE = """\
-import _socket, socket
-def _grpo_fast_no_network(*args, **kwargs):
-    raise PermissionError("network access is disabled in the grpo_fast sandbox")
-for _name in ("socket", "socketpair", "fromfd", "getaddrinfo", "gethostbyname"):
-    setattr(_socket, _name, _grpo_fast_no_network)
-    setattr(socket, _name, _grpo_fast_no_network)
-socket.create_connection = _grpo_fast_no_network
-del _socket, socket, _name, _grpo_fast_no_network
-"""
-
-# Installed packages stay importable, but the interpreter starts with -S: the .pth hooks
-# that `site` would run cost more than the rest of a sandboxed run together.
-SITE_PACKAGES_PRELUDE = "import site, sys; sys.path += [p for p in site.getsitepackages() if p not in sys.path]\n"
+# pivot_root(2) by architecture (glibc has no wrapper before 2.36).
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+# The fallback's seccomp filter: per architecture, the audit arch and the system calls the
+# program may not make. Without namespaces the program shares the machine's PID and network
+# namespaces (and, for a non-root caller, its uid): it may not signal or trace any process
+# (this bootstrap, the trainer), open sockets (socketpair stays: it reaches nothing), nor
+# reach the kernel keyring, BPF, perf or userfaultfd; io_uring could open sockets. Nor may
+# it change files' modes, owners, times or extended attributes, which Landlock leaves open.
+SECCOMP_DENIED = {
+    "x86_64": (0xC000003E, (
+        41, 62, 200, 234, 129, 297, 424, 434, 438,  # socket, kill, tkill, tgkill, rt_(tg)sigqueueinfo, pidfd_*
+        101, 310, 311, 425, 250, 248, 249, 321, 298, 323,  # ptrace, process_vm_*, io_uring_setup, keys, bpf, ...
+        90, 91, 268, 452, 92, 93, 94, 260,  # chmod, fchmod, fchmodat(2), chown, fchown, lchown, fchownat
+        132, 235, 261, 280, 188, 189, 190, 197, 198, 199, 463, 466)),  # utime(s), ..., (l/f)set/removexattr(at)
+    "aarch64": (0xC00000B7, (
+        198, 129, 130, 131, 138, 240, 424, 434, 438,
+        117, 270, 271, 425, 219, 217, 218, 280, 241, 282,
+        52, 53, 452, 54, 55,
+        88, 5, 6, 7, 14, 15, 16, 463, 466)),
+}
+X32_SYSCALL_BIT = 0x40000000
+# Landlock (Linux 5.13+; the same system call numbers on every architecture): where it is
+# available the fallback confines the program's file access to the view the namespaces
+# give (read the system and Python directories, use the device nodes, anything in the
+# scratch dir; no /proc, no home, no other temporary directory).
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+LANDLOCK_READ = 1 | 4 | 8  # EXECUTE, READ_FILE, READ_DIR
+LANDLOCK_DEVICE = 2 | 4 | (1 << 14)  # WRITE_FILE, READ_FILE, TRUNCATE (open(..., "w"))
 
 libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
 
 
 def _check(ret: int, what: str) -> None:
@@ -68,93 +117,277 @@ def _mount(source, target: str, fstype, flags: int, data=None) -> None:
     _check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
 
 
-def _expose_interpreter(prefix: str, holding_root: str) -> None:
-    """Make `prefix` (the Python installation) traversable by an unprivileged uid.
-
-    Python may live under a private directory (pyenv under /root, mode 0700). For each such
-    ancestor, the one child on the path is bind-mounted aside, an empty tmpfs hides the
-    ancestor (and whatever secrets it holds), and the child is bound back into it.
-    """
-    parts = prefix.strip("/").split("/")
-    for depth in range(1, len(parts)):
-        ancestor = "/" + "/".join(parts[:depth])
-        if os.stat(ancestor).st_mode & stat.S_IXOTH:
-            continue
-        child = os.path.join(ancestor, parts[depth])
-        holding = os.path.join(holding_root, f"hold{depth}")
-        os.mkdir(holding, 0o700)
-        _mount(child, holding, None, MS_BIND | MS_REC)
-        _mount("tmpfs", ancestor, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-        os.mkdir(child, 0o755)
-        _mount(holding, child, None, MS_BIND | MS_REC)
+def _read_message(fd: int) -> dict:
+    """One length-prefixed JSON message, read exactly: nothing after it enters this process."""
+    header = _read_exactly(fd, 12)
+    return json.loads(_read_exactly(fd, int(header)))
 
 
-def _isolate_filesystem(cfg: dict) -> None:
+def _read_exactly(fd: int, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = os.read(fd, n)
+        if not chunk:
+            raise EOFError("the caller closed the configuration pipe early")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _report(status: dict) -> None:
+    os.write(1, (json.dumps(status) + "\n").encode())
+
+
+# ---------------------------------------------------------------- namespaces (this process)
+
+
+def _enter_namespaces(cfg: dict) -> tuple[str, str | None]:
+    """Returns "root" or "user" (the namespaces made), or "none" and why none could be."""
+    if cfg["no_namespaces"]:
+        return "none", "namespaces turned off by GRPO_FAST_SANDBOX_NO_NAMESPACES"
+    errors = []
+    if os.geteuid() == 0:
+        try:
+            _check(libc.unshare(SANDBOX_NAMESPACES), "unshare")
+            return "root", None
+        except OSError as exc:
+            errors.append(f"as root: {exc}")
+    try:
+        # One call, so that a kernel that refuses any of them leaves this process unchanged.
+        _check(libc.unshare(CLONE_NEWUSER | SANDBOX_NAMESPACES), "unshare with a user namespace")
+    except OSError as exc:
+        errors.append(str(exc))
+        return "none", "; ".join(errors)
+    # One uid and gid exist inside: the sandbox uid as root (which keeps groups usable, so
+    # the child can drop its own), else the caller's own (which requires setgroups "deny").
+    uid, gid = (cfg["uid"], cfg["uid"]) if cfg["uid"] is not None else (os.geteuid(), os.getegid())
+    if cfg["uid"] is None:
+        with open("/proc/self/setgroups", "w") as f:
+            f.write("deny")
+    for name, ident in (("uid_map", uid), ("gid_map", gid)):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(f"{ident} {ident} 1")
+    return "user", None
+
+
+# ---------------------------------------------------------------- the child (inside the sandbox)
+
+
+def _build_root(cfg: dict, uid: int) -> None:
+    """A private mount namespace whose root is a read-only tree of what programs need, /tmp a tmpfs."""
+    _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # shows only this namespace
-    _expose_interpreter(cfg["prefix"], cfg["workdir"])
-    # The scratch dir becomes a size-capped tmpfs at /tmp holding copies of the input files:
-    # the program's writes are bounded in total and never reach the host's disk.
-    files = {}
-    for name in os.listdir(cfg["scratch"]):
-        with open(os.path.join(cfg["scratch"], name), "rb") as f:
-            files[name] = f.read()
-    uid = cfg["uid"]
+    free = [d for d in ROOT_MOUNT_POINTS if os.path.isdir(d) and not os.path.islink(d)
+            and not any((p + "/").startswith(d + "/") for p in cfg["python_dirs"])]
+    if not free:
+        raise OSError(f"no mount point for the sandbox's root: each of {ROOT_MOUNT_POINTS} is missing or holds Python")
+    root = free[0]
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    bound = []
+
+    def bind(path):
+        target = root + path
+        os.makedirs(target, 0o755, exist_ok=True)
+        _mount(path, target, None, MS_BIND | MS_REC)
+        bound.append(path + "/")
+
+    for name in SYSTEM_DIRS:
+        host = "/" + name
+        if os.path.islink(host):
+            os.symlink(os.readlink(host), root + host)
+        elif os.path.isdir(host):
+            bind(host)
+    for path in cfg["python_dirs"]:  # the interpreter may live under /root or a home directory
+        if os.path.isdir(path) and not any((path + "/").startswith(b) for b in bound):
+            bind(path)
+    os.mkdir(root + "/dev", 0o755)
+    for name in DEVICES:
+        open(f"{root}/dev/{name}", "w").close()
+        _mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{root}/dev/{name}")
+    for path in ("/proc", "/tmp", "/var/tmp", "/dev/shm"):
+        os.makedirs(root + path, 0o755, exist_ok=True)
+    # A fresh /proc shows only this PID namespace; the kernel allows it only while a full
+    # /proc is still visible, so before the pivot. Where it refuses (a container that masks
+    # parts of its /proc), the sandbox gets an empty /proc rather than the host's.
+    try:
+        _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError:
+        pass
+    _make_readonly(root)
+    os.chdir(root)
+    _check(libc.syscall(SYS_PIVOT_ROOT[os.uname().machine], b".", b"."), "pivot_root")
+    _check(libc.umount2(b".", MNT_DETACH), "umount the old root")  # it was stacked on the new one
+    os.chdir("/")
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={cfg['limits']['scratch_bytes']},mode=0700,uid={uid},gid={uid}")
-    for name, data in files.items():
-        path = os.path.join("/tmp", name)
-        with open(path, "wb") as f:
-            f.write(data)
-        os.chown(path, uid, uid)
-    for path in WORLD_WRITABLE_DIRS:
-        if path != "/tmp" and os.path.isdir(path) and not os.path.islink(path):
-            _mount("/tmp", path, None, MS_BIND)
+    for path in ("/var/tmp", "/dev/shm"):  # one size cap for every writable directory
+        _mount("/tmp", path, None, MS_BIND)
     os.chdir("/tmp")
 
 
-def _set_limits(cfg: dict) -> None:
-    lim = cfg["limits"]
-    cpu = lim["cpu_time_s"]
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (lim["memory_bytes"],) * 2)
-    resource.setrlimit(resource.RLIMIT_NPROC, (lim["max_processes"],) * 2)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (lim["output_bytes"],) * 2)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"],) * 2)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+def _make_readonly(root: str) -> None:
+    """Remount the mount at `root` and every mount on it read-only, keeping the flags the kernel locks."""
+    with open("/proc/self/mountinfo") as f:
+        mounts = [(fields[0], fields[1], re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+                  for fields in map(str.split, f)]
+    # By mount id, not by path: host mounts below `root`'s path are hidden under it, not in it.
+    inside = {[mount_id for mount_id, _, point in mounts if point == root][-1]}
+    while True:
+        grown = inside | {mount_id for mount_id, parent, _ in mounts if parent in inside}
+        if grown == inside:
+            break
+        inside = grown
+    for mount_id, _, point in mounts:
+        if mount_id in inside:
+            locked = os.statvfs(point).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)  # ST_* == MS_* for these
+            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | locked)
 
 
-def _child(cfg: dict, isolated: bool) -> None:
-    """Runs in the forked child; never returns (exec or raise)."""
-    os.dup2(cfg["stdout_fd"], 1)
-    os.dup2(cfg["stderr_fd"], 2)
-    if isolated:
-        _isolate_filesystem(cfg)
-    else:
-        os.setpgid(0, 0)  # its own group, so the deadline kill does not hit this bootstrap
-        os.chdir(cfg["scratch"])
-    _set_limits(cfg)
+def _switch_uid(cfg: dict) -> None:
+    """A root caller's sandbox gets a uid of its own and no supplementary groups."""
     if cfg["uid"] is not None:
         os.setgroups([])
         os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
         os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
-        if os.getresuid() != (cfg["uid"],) * 3 or os.getresgid() != (cfg["uid"],) * 3:
-            raise OSError(f"could not drop privileges to uid {cfg['uid']}")
+
+
+def _drop_capabilities() -> None:
+    """Clears every capability (inside a user namespace the uid alone does not), then checks."""
+    header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
+    _check(libc.capset(ctypes.byref(header), data), "capset")
+    _check(libc.capget(ctypes.byref(header), data), "capget")
+    if any(d.effective or d.permitted or d.inheritable for d in data):
+        raise OSError("capabilities are still held after capset")
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")  # no setuid binaries
     # Set after the uid change, which clears it: the child dies with this bootstrap.
     _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
-    program = SITE_PACKAGES_PRELUDE + ("" if isolated else NETWORK_BLOCK_PRELUDE) + cfg["program"]
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.getcwd(), "LANG": "C.UTF-8"}
-    os.execve(cfg["python"], [cfg["python"], "-I", "-S", "-c", program, *cfg["args"]], env)
 
 
-def _reap_descendants() -> None:
-    """Without a PID namespace: kill and reap every remaining descendant.
+def _set_limits(limits: dict, per_process_memory: int) -> None:
+    cpu = limits["cpu_time_s"]
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (per_process_memory,) * 2)
+    resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["output_bytes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limits["open_files"],) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-    This process is a child subreaper, so the program's orphans, also those that left its
-    process group with setsid(), are re-parented here, where they can be found and killed.
-    """
-    while True:
+
+def _install_seccomp() -> None:
+    """The fallback's system-call filter (see SECCOMP_DENIED); EPERM for each denied call."""
+    arch, denied = SECCOMP_DENIED[os.uname().machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+    tests = [(jge, X32_SYSCALL_BIT)] * (arch == 0xC000003E) + [(jeq, nr) for nr in denied]
+    program = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (ld, 0, 0, 0)]
+    program += [(code, len(tests) - i, 0, k) for i, (code, k) in enumerate(tests)]
+    program += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+    raw = b"".join(struct.pack("HBBI", *insn) for insn in program)
+    prog = _SockFprog(len(program), raw)
+    _check(libc.prctl(PR_SET_SECCOMP, 2, ctypes.byref(prog), 0, 0), "prctl(PR_SET_SECCOMP)")
+
+
+def _landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 where there is none."""
+    return max(libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, 0, 1), 0)  # LANDLOCK_CREATE_RULESET_VERSION
+
+
+def _landlock_ruleset(cfg: dict, scratch: str, abi: int) -> int:
+    """The fallback's file-access rules (see SYS_LANDLOCK_*), made while the paths can still be opened."""
+    handled = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1  # the access rights this ABI knows
+    ruleset = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, struct.pack("=Q", handled), 8, 0)
+    if ruleset < 0:
+        _check(-1, "landlock_create_ruleset")
+    rules = [("/" + name, LANDLOCK_READ) for name in SYSTEM_DIRS] + [(p, LANDLOCK_READ) for p in cfg["python_dirs"]]
+    rules += [(f"/dev/{name}", LANDLOCK_DEVICE) for name in DEVICES] + [(scratch, handled)]
+    for path, access in rules:
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            _check(libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, 1, struct.pack("=Qi", access & handled, fd), 0),
+                   f"landlock_add_rule {path}")
+        finally:
+            os.close(fd)
+    return ruleset
+
+
+def _child(cfg: dict, isolation: str, scratch: str | None, setup_pipe: int, channel) -> None:
+    """The forked child: set up the sandbox, then run the program. Never returns: SystemExit."""
+    try:
+        if cfg["cgroup"] is not None:
+            with open(os.path.join(cfg["cgroup"], "cgroup.procs"), "w") as f:
+                f.write("0")  # this process, before it can start any other
+        stdin = os.memfd_create("stdin")
+        os.write(stdin, cfg["stdin"].encode())
+        os.lseek(stdin, 0, os.SEEK_SET)
+        for fd, target in ((stdin, 0), (cfg["stdout_fd"], 1), (cfg["stderr_fd"], 2)):
+            os.dup2(fd, target)  # replaces the configuration and status pipes of this process
+            os.close(fd)
+        uid = cfg["uid"] if cfg["uid"] is not None else os.geteuid()
+        # The mounts need root's capabilities as root (a uid change drops them), and the
+        # namespace's own uid inside a user namespace (files made by an unmapped uid fail).
+        if isolation == "root":
+            _build_root(cfg, uid)
+        if isolation == "landlock":  # opened with the caller's rights: the sandbox uid may not reach them all
+            ruleset = _landlock_ruleset(cfg, scratch, _landlock_abi())
+        _switch_uid(cfg)
+        if isolation == "user":
+            _build_root(cfg, uid)
+        if scratch is not None:
+            os.chdir(scratch)
+        _drop_capabilities()
+        for name, text in cfg["files"].items():
+            with open(name, "w") as f:
+                f.write(text)
+        _set_limits(cfg["limits"], cfg["process_memory_bytes"])
+        if isolation == "landlock":
+            _check(libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+            os.close(ruleset)
+        if isolation in ("landlock", "none"):
+            _install_seccomp()
+        os.environ.clear()
+        os.environ.update(SANDBOX_ENV, HOME=os.getcwd())
+        sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", errors="surrogateescape", closefd=False)
+        sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False)
+        sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False,
+                                           buffering=1)
+    except BaseException as exc:  # noqa: BLE001 - any failure must reach the parent
+        os.write(setup_pipe, f"{type(exc).__name__}: {exc}".encode()[:4000])
+        os._exit(SETUP_FAILED)
+    os.close(setup_pipe)  # set up: from here on, whatever happens is the program's doing
+    if channel is not None:
+        _code_harness.serve(cfg["setup"], cfg["program"], *channel)
+        sys.exit(0)
+    main_module = types.ModuleType("__main__")
+    sys.modules["__main__"] = main_module  # pickle (multiprocessing) finds the program's functions
+    sys.argv = ["-c", *cfg["args"]]
+    exec(compile(cfg["program"], "<string>", "exec"), main_module.__dict__)
+    sys.exit(0)
+
+
+# ---------------------------------------------------------------- this process (outside the sandbox)
+
+
+class _Sandbox:
+    """Kills the sandbox: PID 1 of its namespace, or in the fallback (which has a host scratch
+    dir, None with namespaces) every descendant of this process."""
+
+    def __init__(self, pid: int, scratch: str | None, scratch_bytes: int):
+        self.pid, self.scratch, self.scratch_bytes = pid, scratch, scratch_bytes
+        self.timed_out = self.scratch_full = False
+
+    def kill(self) -> None:
+        if self.scratch is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)  # the kernel kills the rest of its namespace
+            except ProcessLookupError:
+                pass
+            return
         for task in os.listdir("/proc/self/task"):
             with open(f"/proc/self/task/{task}/children") as f:
                 for pid in f.read().split():
@@ -162,67 +395,171 @@ def _reap_descendants() -> None:
                         os.kill(int(pid), signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+
+    def on_alarm(self, deadline: float) -> None:
+        """SIGALRM: at the deadline (and, in the fallback, every FALLBACK_POLL_S for the scratch size)."""
+        if self.scratch is None or time.monotonic() >= deadline:
+            self.timed_out = True
+            self.kill()
+        elif self._scratch_over():
+            self.scratch_full = True
+            self.kill()
+
+    def _scratch_over(self) -> bool:
+        used, files, stack = 0, 0, [self.scratch]
+        while stack:
+            try:
+                entries = list(os.scandir(stack.pop()))
+            except OSError:
+                continue
+            for entry in entries:
+                files += 1
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                used += st.st_blocks * 512
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(entry.path)
+            if used > self.scratch_bytes or files > FALLBACK_MAX_FILES:
+                return True
+        return False
+
+    def reap(self) -> int:
+        """Waits for the child and, in the fallback, kills and reaps every other descendant; returns its status."""
+        os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)  # its pid stays ours until the deadline is off
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        _, status = os.waitpid(self.pid, 0)
+        if self.scratch is not None:
+            while True:
+                self.kill()
+                try:
+                    pid, _ = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    time.sleep(0.001)
+        return status
+
+
+def _remove_tree(path: str) -> None:
+    """Deletes the fallback's scratch dir, also what the program made unreadable or nested deeply in it."""
+    stack, dirs = [path], []
+    while stack:
+        current = stack.pop()
+        os.chmod(current, 0o700)  # the program may have taken away our right to list or delete
+        dirs.append(current)
+        for entry in os.scandir(current):
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+            else:
+                os.unlink(entry.path)
+    for current in reversed(dirs):
+        os.rmdir(current)
+
+
+def _make_cgroup(cfg: dict) -> str | None:
+    """A cgroup of its own under the caller's delegated cgroup v2 parent: one memory and process budget."""
+    if cfg["cgroup_parent"] is None:
+        return None
+    path = os.path.join(cfg["cgroup_parent"], f"grpo_fast_sandbox_{os.getpid()}")
+    os.mkdir(path)
+    limits = cfg["limits"]
+    for name, value in (("memory.max", limits["memory_bytes"]), ("memory.swap.max", 0),
+                        ("pids.max", limits["max_processes"])):
+        with open(os.path.join(path, name), "w") as f:
+            f.write(str(value))
+    return path
+
+
+def _remove_cgroup(path: str) -> None:
+    """rmdir of a cgroup fails while the kernel still accounts its last, already dead tasks."""
+    for _ in range(100):
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
+            os.rmdir(path)
             return
-        if pid == 0:
+        except OSError:
             time.sleep(0.001)
+    os.rmdir(path)
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    isolation_error = "not root"
-    isolated = cfg["namespaces"]
-    if isolated:
-        try:
-            _check(libc.unshare(CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWNS), "unshare")
-            isolation_error = None
-        except OSError as exc:
-            isolated, isolation_error = False, str(exc)
-    if not isolated:
+    cfg = _read_message(0)
+    sys.path += cfg["site_packages"]  # importable for the program and for the tests, without .pth hooks
+    cfg["cgroup"] = _make_cgroup(cfg)
+    isolation, reason = _enter_namespaces(cfg)
+    # Not dumpable (set after the uid maps, which a non-dumpable process cannot write): in
+    # the fallback the program may run under this uid, and must not read this process's
+    # memory or open its file descriptors (the tests wait in the configuration pipe) via /proc.
+    _check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+    if isolation == "none" and cfg["require_isolation"]:
+        _report({"setup_error": f"isolation is required but no namespace is available ({reason})"})
+        return
+    scratch = None
+    if isolation == "none":
+        if os.uname().machine not in SECCOMP_DENIED:
+            _report({"setup_error": f"the fallback ({reason}) needs a seccomp filter, which has no table for "
+                                    f"{os.uname().machine}"})
+            return
         _check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(CHILD_SUBREAPER)")
-    # The child reports a setup failure through this pipe; a successful exec closes it (CLOEXEC).
-    err_read, err_write = os.pipe()
+        scratch = os.path.join(cfg["tmpdir"], f"grpo_fast_sandbox_{os.getpid()}")
+        os.mkdir(scratch, 0o700)
+        if cfg["uid"] is not None:
+            os.chown(scratch, cfg["uid"], cfg["uid"])
+        if _landlock_abi():
+            isolation = "landlock"
+    judged = cfg["setup"] is not None
+    setup_read, setup_write = os.pipe()
+    if judged:
+        requests_read, requests_write = os.pipe()
+        replies_read, replies_write = os.pipe()
     pid = os.fork()
     if pid == 0:
-        try:
-            os.close(err_read)
-            _child(cfg, isolated)
-        except BaseException as exc:  # noqa: BLE001 - any failure must reach the parent
-            os.write(err_write, f"{type(exc).__name__}: {exc}".encode()[:4000])
-        os._exit(SETUP_FAILED)
-    os.close(err_write)
-    with os.fdopen(err_read, "rb") as pipe:
+        os.close(setup_read)
+        channel = None
+        if judged:
+            os.close(requests_write)
+            os.close(replies_read)
+            channel = (requests_read, replies_write)
+        _child(cfg, isolation, scratch, setup_write, channel)
+    for fd in (setup_write, cfg["stdout_fd"], cfg["stderr_fd"]) + ((requests_read, replies_write) if judged else ()):
+        os.close(fd)
+    tests = _read_message(0) if judged else None
+    with os.fdopen(setup_read, "rb") as pipe:
         setup_error = pipe.read().decode(errors="replace") or None
+    sandbox = _Sandbox(pid, scratch, cfg["limits"]["scratch_bytes"])
     start = time.monotonic()
-    timed_out = False
-
-    def _deadline(signum, frame):
-        nonlocal timed_out
-        timed_out = True
-        if isolated:
-            os.kill(pid, signal.SIGKILL)  # PID 1: the kernel kills the rest of its namespace
-        else:
-            os.killpg(pid, signal.SIGKILL)
-
+    deadline = start + cfg["limits"]["wall_time_s"]
+    passed = judge_error = None
     if setup_error is None:
-        signal.signal(signal.SIGALRM, _deadline)
-        signal.setitimer(signal.ITIMER_REAL, cfg["limits"]["wall_time_s"])
-    _, status = os.waitpid(pid, 0)
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    if not isolated:
-        _reap_descendants()
-    print(json.dumps({
-        "isolated": isolated,
-        "isolation_error": isolation_error,
+        _report({"started": True, "isolation": isolation, "reason": reason})
+        signal.signal(signal.SIGALRM, lambda signum, frame: sandbox.on_alarm(deadline))
+        if scratch is None:
+            signal.setitimer(signal.ITIMER_REAL, cfg["limits"]["wall_time_s"])
+        else:
+            signal.setitimer(signal.ITIMER_REAL, FALLBACK_POLL_S, FALLBACK_POLL_S)
+        if judged:
+            sys.stdout = open(os.devnull, "w")  # the tests may print; fd 1 carries the status
+            channel = _code_harness.Channel(requests_write, replies_read, deadline, cfg["limits"]["output_bytes"])
+            try:
+                passed = _code_harness.judge(tests, channel)
+            except Exception as exc:  # noqa: BLE001 - the trusted tests themselves are broken: say so
+                judge_error = f"{type(exc).__name__}: {exc}"
+            sandbox.kill()  # the verdict is in; the program has nothing left to do
+    status = sandbox.reap()
+    if scratch is not None:
+        _remove_tree(scratch)
+    if cfg["cgroup"] is not None:
+        _remove_cgroup(cfg["cgroup"])
+    _report({
+        "isolation": isolation,
+        "reason": reason,
         "setup_error": setup_error,
-        "timed_out": timed_out,
+        "timed_out": sandbox.timed_out,
+        "scratch_full": sandbox.scratch_full,
         "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
         "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
         "wall_s": time.monotonic() - start,
-    }), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+        "passed": passed,
+        "judge_error": judge_error,
+    })

@@ -1,25 +1,36 @@
-"""Code reward: run each completion's program against its tests in the sandbox.
+"""Code reward: run each completion's program in the sandbox, and its tests outside it.
 
-Reward = fraction of the tests passed. Tests per completion are either
-  - assert statements: a list of str (MBPP / HumanEval style), run after the solution in
-    its namespace, all in one sandboxed process; or
-  - input/expected-output pairs: a list of {"input": str, "output": str}, or a dict
-    {"inputs": [...], "outputs": [...]} (APPS / TACO style); one sandboxed run per pair,
-    stdout compared with the expected output line by line, trailing whitespace ignored.
-A JSON string of either form is decoded first (CSV and JSONL columns often hold one).
+Reward = fraction of the tests passed. Tests per completion (`tests[i]`) take one of four forms:
+  - assert statements (MBPP style): a list of str, each one test, e.g.
+    ["assert add(1, 2) == 3", "assert add(0, 0) == 0"];
+  - HumanEval's `test` source, which defines `check(candidate)`, with the function's name in
+    the `entry_point` column (HumanEval's own); one test: check(entry point) must not raise;
+  - a dict {"test": source, "entry_point": name} (HumanEval, self-contained), or
+    {"asserts": [...]} (MBPP), either with an optional "setup" and "entry_point";
+  - input/expected-output pairs (APPS / TACO style): a list of {"input": str, "output": str},
+    or a dict {"inputs": [...], "outputs": [...]}; one sandboxed run per pair, stdout
+    compared with the expected output line by line, trailing whitespace ignored.
+A JSON string of the list and dict forms is decoded first (CSV and JSONL columns often hold one).
+
+`setup` (a dict key, or the `setup` column) is trusted source run before the program, in
+the sandbox and in the judge: HumanEval's `prompt` (its helpers, such as `poly`, then stay
+trusted when `check` uses them) or MBPP's `test_imports`. `entry_point` (a dict key, or the
+`entry_point` column) names the function under test, always taken from the program.
+
+The verdict is made outside the sandbox (`_code_harness`): the program only answers calls
+of its functions with plain values, and the tests, with their expected values, run in the
+trusted bootstrap. Whatever the program does to its own interpreter or output, it scores
+only the tests its answers pass.
 """
 
+import ast
 import json
 import os
 import re
-import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 from grpo_fast.rewards.base import check_batch
-from grpo_fast.rewards.sandbox import SandboxLimits, run_python
-
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_harness.py")) as _f:
-    _HARNESS = _f.read()
+from grpo_fast.rewards.sandbox import SandboxLimits, run_judged, run_python
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -30,32 +41,105 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-def normalize_tests(tests) -> tuple[str, list] | None:
-    """Returns ("assert", [statements]) or ("io", [(input, output)]), or None for no tests."""
+def normalize_tests(tests, entry_point: str | None = None, setup: str | None = None) -> dict | None:
+    """One sample's tests (any form of the module docstring) as a spec, or None for no tests.
+
+    Returns {"kind": "asserts", "asserts": [str], "setup": str, "entry_point": str | None},
+    {"kind": "check", "test": str, "setup": str, "entry_point": str} or
+    {"kind": "io", "cases": [(input, output)]}. Raises ValueError or TypeError for tests
+    that cannot run (a syntax error, HumanEval source without an entry point, a mix of forms).
+    """
     if isinstance(tests, str):
         stripped = tests.strip()
         if not stripped:
             return None
-        tests = json.loads(stripped) if stripped[0] in "[{" else [tests]
+        if stripped[0] in "[{":
+            tests = json.loads(stripped)
+        elif entry_point is not None or "check" in _top_level_functions(tests, "tests"):
+            tests = {"test": tests}
+        else:
+            tests = [tests]
     if tests is None:
         return None
     if isinstance(tests, dict):
         if set(tests) >= {"inputs", "outputs"} and len(tests["inputs"]) == len(tests["outputs"]):
             tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"])]
+        elif len({"test", "asserts"} & set(tests)) == 1 and set(tests) <= {"test", "asserts", "entry_point", "setup"}:
+            entry_point = _one_of("entry_point", tests.get("entry_point"), entry_point)
+            setup = _one_of("setup", tests.get("setup"), setup)
+            if "test" in tests:
+                return _check_spec(tests["test"], entry_point, setup)
+            tests = tests["asserts"]
+            if not isinstance(tests, (list, tuple)) or not all(isinstance(t, str) for t in tests):
+                raise TypeError("tests['asserts'] must be a list of assert strings")
         else:
             raise ValueError(f"tests as a dict must be {{'inputs': [...], 'outputs': [...]}} of equal length, "
-                             f"got keys {sorted(tests)}")
+                             f"{{'test': source, 'entry_point': name}} or {{'asserts': [...]}} (each with an optional "
+                             f"'setup'), got keys {sorted(tests)}")
     if not isinstance(tests, (list, tuple)):
         raise TypeError(f"tests must be a list of assert strings or of {{'input', 'output'}} dicts, "
                         f"got {type(tests).__name__}")
     if not tests:
         return None
     if all(isinstance(t, str) for t in tests):
-        return "assert", list(tests)
+        for j, statement in enumerate(tests):
+            _parse(statement, f"assert statement {j}")
+        return {"kind": "asserts", "asserts": list(tests), "setup": _checked_setup(setup),
+                "entry_point": _checked_entry_point(entry_point, required=False)}
     if all(isinstance(t, dict) and {"input", "output"} <= set(t) for t in tests):
-        return "io", [(str(t["input"]), str(t["output"])) for t in tests]
+        if setup is not None or entry_point is not None:
+            raise ValueError("setup and entry_point apply to assert and HumanEval tests, not to input/output pairs")
+        return {"kind": "io", "cases": [(str(t["input"]), str(t["output"])) for t in tests]}
     raise TypeError("tests must be all assert strings or all {'input': str, 'output': str} dicts, got a mix "
                     f"of {sorted({type(t).__name__ for t in tests})}")
+
+
+def _one_of(name: str, in_tests, column):
+    if in_tests is not None and column is not None and in_tests != column:
+        raise ValueError(f"{name} is given both in the tests ({in_tests!r}) and as a column ({column!r})")
+    return in_tests if in_tests is not None else column
+
+
+def _parse(source, what: str) -> ast.Module:
+    if not isinstance(source, str):
+        raise TypeError(f"{what} must be a str of Python source, got {type(source).__name__}")
+    try:
+        return ast.parse(source)
+    except SyntaxError as exc:
+        raise ValueError(f"{what} is not valid Python: {exc}") from None
+
+
+def _top_level_functions(source: str, what: str) -> set[str]:
+    return {node.name for node in _parse(source, what).body if isinstance(node, ast.FunctionDef)}
+
+
+def _checked_setup(setup) -> str:
+    if setup is None:
+        return ""
+    _parse(setup, "setup")
+    return setup
+
+
+def _checked_entry_point(entry_point, required: bool) -> str | None:
+    if entry_point is None and not required:
+        return None
+    if not isinstance(entry_point, str) or not entry_point.isidentifier():
+        raise ValueError(f"entry_point must be the name of the function under test (HumanEval tests call "
+                         f"check(entry_point)), got {entry_point!r}")
+    return entry_point
+
+
+def _check_spec(test, entry_point, setup) -> dict:
+    if "check" not in _top_level_functions(test, "the HumanEval test source"):
+        raise ValueError("the HumanEval test source must define check(candidate)")
+    return {"kind": "check", "test": test, "setup": _checked_setup(setup),
+            "entry_point": _checked_entry_point(entry_point, required=True)}
+
+
+def _test_count(spec: dict) -> int:
+    if spec["kind"] == "check":
+        return 1
+    return len(spec["asserts"] if spec["kind"] == "asserts" else spec["cases"])
 
 
 def _same_output(got: str, expected: str) -> bool:
@@ -64,68 +148,63 @@ def _same_output(got: str, expected: str) -> bool:
 
 
 def _checked(result):
-    """A sandbox that cannot start programs is a setup problem, not a wrong answer: say so."""
+    """A sandbox that cannot start programs, or tests that cannot run, are setup problems, not a wrong answer."""
     if result.error is not None:
-        raise RuntimeError(f"the code sandbox could not start the program: {result.error}")
+        raise RuntimeError(f"the code sandbox could not score the program: {result.error}")
     return result
 
 
-def _run_job(job, limits: SandboxLimits) -> float:
+def _run_job(job, limits: SandboxLimits, require_isolation: bool) -> int:
     """One sandboxed run; returns the number of tests it passed."""
-    mode, code, payload = job
-    if mode == "assert":
-        nonce = secrets.token_hex(16)
-        result = _checked(run_python(_HARNESS, files={"solution.py": code, "tests.json": json.dumps(payload)},
-                                     args=("assert", nonce), limits=limits))
-        if result.timed_out:
-            return 0
-        reports = re.findall(rf"^{nonce} (\d+)$", result.stdout, re.MULTILINE)
-        return min(int(reports[-1]), len(payload)) if reports else 0
-    test_input, expected = payload
-    result = _checked(run_python(_HARNESS, files={"solution.py": code}, stdin=test_input, args=("io", ""),
-                                 limits=limits))
-    return float(result.ok and _same_output(result.stdout, expected))
+    code, spec, case = job
+    if spec["kind"] == "io":
+        test_input, expected = case
+        result = _checked(run_python(code, stdin=test_input, limits=limits, require_isolation=require_isolation))
+        return int(result.ok and _same_output(result.stdout, expected))
+    result = _checked(run_judged(code, spec, limits=limits, require_isolation=require_isolation))
+    return min(result.passed or 0, _test_count(spec))
 
 
-def code_reward(prompts: list[str], completions: list[str], tests: list, *, limits: SandboxLimits | None = None,
-                max_workers: int | None = None, **columns) -> list[float | None]:
-    """Fraction of each completion's tests that its program passes, run in the sandbox.
+def code_reward(prompts: list[str], completions: list[str], tests: list, *, entry_point: list | None = None,
+                setup: list | None = None, limits: SandboxLimits | None = None, max_workers: int | None = None,
+                require_isolation: bool = False, **columns) -> list[float | None]:
+    """Fraction of each completion's tests that its program passes, the program run in the sandbox.
 
     prompts, completions: N strings. The program is the last fenced Python block of the
         completion (or the whole completion).
     tests: N test specs (see the module docstring); None or empty scores None.
-    limits: SandboxLimits for each run (default 4 s wall, 512 MiB, 32 processes, 1 MiB output).
+    entry_point, setup: optional columns of N values (None where unused), as in the module docstring.
+    limits: SandboxLimits for each run (default 4 s wall, 2 GiB for 8 processes, 1 MiB output).
     max_workers: parallel sandboxes (default: the CPU cores available to this process).
-    Returns N floats in [0, 1] or None. Pass limits/max_workers with functools.partial.
+    require_isolation: raise RuntimeError rather than run without namespaces (SECURITY.md).
+    Returns N floats in [0, 1] or None. Raises for malformed tests or a sandbox that cannot
+    start, never because of what a program did. Pass the keyword options with functools.partial.
     Example:
         >>> code_reward(["add"], ["```python\\ndef add(a, b):\\n    return a + b\\n```"],
         ...             tests=[["assert add(1, 2) == 3", "assert add(0, 0) == 1"]])
         [0.5]
     """
-    n = check_batch(prompts, completions, {"tests": tests, **columns})
+    optional = {name: column for name, column in (("entry_point", entry_point), ("setup", setup)) if column is not None}
+    n = check_batch(prompts, completions, {"tests": tests, **optional, **columns})
     limits = limits or SandboxLimits()
     specs = []
     for i, t in enumerate(tests):
         try:
-            specs.append(normalize_tests(t))
+            specs.append(normalize_tests(t, *(optional.get(name, [None] * n)[i] for name in ("entry_point", "setup"))))
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"tests[{i}]: {exc}") from exc
     jobs, owners = [], []
     for i, spec in enumerate(specs):
         if spec is None:
             continue
-        mode, cases = spec
         code = extract_code(completions[i])
-        if mode == "assert":
-            jobs.append(("assert", code, cases))
-            owners.append(i)
-        else:
-            jobs.extend(("io", code, case) for case in cases)
-            owners.extend([i] * len(cases))
+        cases = spec["cases"] if spec["kind"] == "io" else [None]
+        jobs.extend((code, spec, case) for case in cases)
+        owners.extend([i] * len(cases))
     workers = max(1, min(max_workers or len(os.sched_getaffinity(0)), len(jobs) or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        passed = list(pool.map(lambda job: _run_job(job, limits), jobs))
-    totals = [0.0] * n
+        passed = list(pool.map(lambda job: _run_job(job, limits, require_isolation), jobs))
+    totals = [0] * n
     for i, p in zip(owners, passed):
         totals[i] += p
-    return [None if spec is None else totals[i] / len(spec[1]) for i, spec in enumerate(specs)]
+    return [None if spec is None else totals[i] / _test_count(spec) for i, spec in enumerate(specs)]
