@@ -120,8 +120,8 @@ def test_extract_code_takes_the_last_fenced_block():
 def test_run_python_isolation_facts():
     result = run_python(
         "import os, sys\nprint(os.getuid(), os.getcwd(), sorted(os.listdir('.')), os.path.exists(sys.argv[1]))\n"
-        "print(sorted(os.environ))\nprint(sys.stdin.read())", args=(REPO,),
-        files={"data.txt": "x"}, stdin="hello", limits=LIMITS,
+        "print(sorted(os.environ))\nprint(sys.stdin.read())", args=(REPO,), files={"data.txt": "x"}, stdin="hello",
+        limits=LIMITS,
     )
     assert result.ok, result
     head, env_keys, stdin = result.stdout.splitlines()
@@ -225,6 +225,11 @@ def test_malformed_tests_raise_naming_the_sample():
         code_reward(["p"], ["x = 1"], tests=[["assert (1"]])
     with pytest.raises(ValueError, match=r"tests\[0\].*check"):
         code_reward(["p"], ["x = 1"], tests=[{"test": "x = 1", "entry_point": "f"}])
+    # With an entry point the program supplies nothing else: a helper the tests need must be in setup.
+    with pytest.raises(ValueError, match=r"tests\[0\].*\['encode_shift'\].*setup"):
+        code_reward(["p"], ["x = 1"], tests=[{"test": HUMANEVAL[1]["test"], "entry_point": "decode_shift"}])
+    with pytest.raises(ValueError, match=r"tests\[0\].*\['helper'\]"):
+        code_reward(["p"], ["x = 1"], tests=[{"asserts": ["assert f(1) == helper(1)"], "entry_point": "f"}])
     with pytest.raises(ValueError, match=r"tests\[0\].*both"):
         code_reward(["p"], ["x = 1"], tests=[{"asserts": ["assert True"], "entry_point": "f"}], entry_point=["g"])
 
@@ -272,8 +277,8 @@ HOSTILE = {
         builtins.AssertionError = type("AssertionError", (Exception,), {})
         builtins.compile = lambda *a, **k: compile("pass", "x", "exec")
     """, ["assert add(1, 2) == 3 and add(2, 5) == 7", "assert add(10, 20) == 30 and add(0, 1) == 1"], None),
-    # The expected value (also the trainer's environment and a private file of the caller)
-    # is searched for everywhere the program can look.
+    # The expected value (also in the trainer's environment and session keyring, and in a
+    # private file of the caller) is searched for everywhere the program can look.
     "secret_reading": ("""
         import gc, glob, os, re, sys
         TOKEN = re.compile(r"tok-[0-9a-f]{32}")
@@ -291,6 +296,14 @@ HOSTILE = {
                 scan(repr(frame.f_locals))
                 frame = frame.f_back
         scan(" ".join(sys.argv) + repr(dict(os.environ)))
+        keyctl = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+        if keyctl is not None:  # the trainer's session keyring holds the secret as a key
+            import ctypes
+            libc = ctypes.CDLL(None)
+            key = libc.syscall(keyctl, 10, -3, b"user", b"grpo_fast_test", 0)  # KEYCTL_SEARCH
+            buffer = ctypes.create_string_buffer(256)
+            if key > 0 and libc.syscall(keyctl, 11, key, buffer, 256) > 0:  # KEYCTL_READ
+                scan(buffer.value)
         for path in glob.glob("/proc/*/cmdline") + glob.glob("/proc/*/environ") + glob.glob("$target/*") + \\
                 glob.glob("/tmp/*") + glob.glob(os.path.expanduser("~/*")):
             try:
@@ -469,6 +482,14 @@ sys.modules["grpo_fast"] = package
 from grpo_fast.rewards import SandboxLimits, code_reward, run_python
 received = []
 signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+os.environ["GRPO_FAST_TEST_SECRET"] = request["secret"]
+calls = {"x86_64": (248, 250), "aarch64": (217, 219)}.get(os.uname().machine)
+if calls is not None:  # a session keyring of this process's own, holding the secret as a key
+    import ctypes
+    libc = ctypes.CDLL(None)
+    assert libc.syscall(calls[1], 1, b"grpo_fast_test_session") > 0  # KEYCTL_JOIN_SESSION_KEYRING
+    secret = request["secret"].encode()
+    assert libc.syscall(calls[0], b"user", b"grpo_fast_test", secret, len(secret), -3) > 0  # add_key
 programs = [p.replace("$$trainer_pid", str(os.getpid())) for p in request["programs"]]
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's, tested on its own
@@ -519,7 +540,7 @@ class Battery:
             programs.append(Template(textwrap.dedent(program)).safe_substitute(context))
             tests.append({"asserts": [Template(a).safe_substitute(context) for a in asserts], "setup": setup})
         signals_before = len(pytest_signals)
-        request = {"repo": REPO, "programs": programs, "tests": tests,
+        request = {"repo": REPO, "programs": programs, "tests": tests, "secret": self.secret,
                    "limits": {"wall_time_s": 3.0, "memory_bytes": 256 << 20, "max_processes": 8,
                               "scratch_bytes": 8 << 20}}
         env = {**os.environ, "GRPO_FAST_SANDBOX_NO_NAMESPACES": str(int(mode.endswith("fallback")))}

@@ -243,18 +243,19 @@ def judge(tests: dict, channel: Channel) -> int:
         with "setup" (trusted source run first, here and before the program) and
         "entry_point" (a name always taken from the program; None for asserts without one).
     Names resolve to: builtins; what setup and the test source define (trusted); the
-    standard-library modules of JUDGE_MODULES; the entry point and any other name, from the
-    program (a function becomes a ProgramFunction, a plain value is copied).
+    standard-library modules of JUDGE_MODULES; the entry point, from the program; without an
+    entry point, any other name, from the program (a function becomes a ProgramFunction, a
+    plain value is copied). code.py has checked that with an entry point nothing else is missing.
     """
     namespace = {"__name__": "__test__", "__builtins__": builtins}
     exec(compile(tests["setup"], "<setup>", "exec", dont_inherit=True, optimize=0), namespace)
     sources = tests["asserts"] if tests["kind"] == "asserts" else [tests["test"]]
     if tests["kind"] == "check":
         exec(compile(tests["test"], "<test>", "exec", dont_inherit=True, optimize=0), namespace)
-    wanted = referenced_names(sources) - set(namespace) - set(vars(builtins))
-    for name in wanted & JUDGE_MODULES:
+    free = referenced_names(sources) - set(namespace) - set(vars(builtins))
+    for name in free & JUDGE_MODULES:
         namespace[name] = importlib.import_module(name)
-    wanted = (wanted - JUDGE_MODULES) | ({tests["entry_point"]} - {None})
+    wanted = {tests["entry_point"]} if tests["entry_point"] is not None else free - JUDGE_MODULES
     try:
         # Asked even when no test needs a name: the answer says the program loaded at all.
         described = channel.request({"op": "names", "names": sorted(wanted)})["names"]

@@ -62,8 +62,11 @@ SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_N
 FALLBACK_POLL_S = 0.01
 FALLBACK_MAX_FILES = 10_000
 
-# pivot_root(2) by architecture (glibc has no wrapper before 2.36).
-SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+# System calls without a glibc wrapper (pivot_root has one only from 2.36), by architecture.
+SYSCALLS = {"x86_64": {"pivot_root": 155, "keyctl": 250}, "aarch64": {"pivot_root": 41, "keyctl": 219},
+            "riscv64": {"pivot_root": 41, "keyctl": 219}, "ppc64le": {"pivot_root": 203, "keyctl": 355},
+            "s390x": {"pivot_root": 217, "keyctl": 280}}
+KEYCTL_JOIN_SESSION_KEYRING = 1
 # The fallback's seccomp filter: per architecture, the audit arch and the system calls the
 # program may not make. Without namespaces the program shares the machine's PID and network
 # namespaces (and, for a non-root caller, its uid): it may not signal or trace any process
@@ -218,7 +221,7 @@ def _build_root(cfg: dict, uid: int) -> None:
         pass
     _make_readonly(root)
     os.chdir(root)
-    _check(libc.syscall(SYS_PIVOT_ROOT[os.uname().machine], b".", b"."), "pivot_root")
+    _check(libc.syscall(SYSCALLS[os.uname().machine]["pivot_root"], b".", b"."), "pivot_root")
     _check(libc.umount2(b".", MNT_DETACH), "umount the old root")  # it was stacked on the new one
     os.chdir("/")
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
@@ -254,8 +257,12 @@ def _switch_uid(cfg: dict) -> None:
         os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
 
 
-def _drop_capabilities() -> None:
-    """Clears every capability (inside a user namespace the uid alone does not), then checks."""
+def _drop_privileges() -> None:
+    """Every capability (inside a user namespace a uid change alone does not clear them), the
+    caller's keyring, any gain from setuid binaries; and the child dies with this bootstrap."""
+    # A new, empty session keyring: the one inherited from the caller may hold its keys.
+    if libc.syscall(SYSCALLS[os.uname().machine]["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        _check(-1, "keyctl(JOIN_SESSION_KEYRING)")
     header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
     _check(libc.capset(ctypes.byref(header), data), "capset")
     _check(libc.capget(ctypes.byref(header), data), "capget")
@@ -340,7 +347,7 @@ def _child(cfg: dict, isolation: str, scratch: str | None, setup_pipe: int, chan
             _build_root(cfg, uid)
         if scratch is not None:
             os.chdir(scratch)
-        _drop_capabilities()
+        _drop_privileges()
         for name, text in cfg["files"].items():
             with open(name, "w") as f:
                 f.write(text)
@@ -487,6 +494,9 @@ def main() -> None:
     cfg = _read_message(0)
     sys.path += cfg["site_packages"]  # importable for the program and for the tests, without .pth hooks
     cfg["cgroup"] = _make_cgroup(cfg)
+    if os.uname().machine not in SYSCALLS:
+        _report({"setup_error": f"the sandbox has no system-call table for {os.uname().machine}"})
+        return
     isolation, reason = _enter_namespaces(cfg)
     # Not dumpable (set after the uid maps, which a non-dumpable process cannot write): in
     # the fallback the program may run under this uid, and must not read this process's

@@ -15,7 +15,11 @@ A JSON string of the list and dict forms is decoded first (CSV and JSONL columns
 `setup` (a dict key, or the `setup` column) is trusted source run before the program, in
 the sandbox and in the judge: HumanEval's `prompt` (its helpers, such as `poly`, then stay
 trusted when `check` uses them) or MBPP's `test_imports`. `entry_point` (a dict key, or the
-`entry_point` column) names the function under test, always taken from the program.
+`entry_point` column) names the function under test. With an entry point, it is the only
+name the tests take from the program: every other name they use must be a builtin, one of a
+few standard modules, or defined by the tests or `setup` (a ValueError says which is
+missing, rather than letting the program define, say, the `poly` that checks it). Without
+one (assert lists), the names the tests use and do not define come from the program.
 
 The verdict is made outside the sandbox (`_code_harness`): the program only answers calls
 of its functions with plain values, and the tests, with their expected values, run in the
@@ -24,11 +28,14 @@ only the tests its answers pass.
 """
 
 import ast
+import builtins
 import json
 import os
 import re
+import symtable
 from concurrent.futures import ThreadPoolExecutor
 
+from grpo_fast.rewards._code_harness import JUDGE_MODULES
 from grpo_fast.rewards.base import check_batch
 from grpo_fast.rewards.sandbox import SandboxLimits, run_judged, run_python
 
@@ -84,8 +91,11 @@ def normalize_tests(tests, entry_point: str | None = None, setup: str | None = N
     if all(isinstance(t, str) for t in tests):
         for j, statement in enumerate(tests):
             _parse(statement, f"assert statement {j}")
-        return {"kind": "asserts", "asserts": list(tests), "setup": _checked_setup(setup),
+        spec = {"kind": "asserts", "asserts": list(tests), "setup": _checked_setup(setup),
                 "entry_point": _checked_entry_point(entry_point, required=False)}
+        if spec["entry_point"] is not None:
+            _check_names(spec, "\n".join(tests), "the assert statements")
+        return spec
     if all(isinstance(t, dict) and {"input", "output"} <= set(t) for t in tests):
         if setup is not None or entry_point is not None:
             raise ValueError("setup and entry_point apply to assert and HumanEval tests, not to input/output pairs")
@@ -132,8 +142,29 @@ def _checked_entry_point(entry_point, required: bool) -> str | None:
 def _check_spec(test, entry_point, setup) -> dict:
     if "check" not in _top_level_functions(test, "the HumanEval test source"):
         raise ValueError("the HumanEval test source must define check(candidate)")
-    return {"kind": "check", "test": test, "setup": _checked_setup(setup),
+    spec = {"kind": "check", "test": test, "setup": _checked_setup(setup),
             "entry_point": _checked_entry_point(entry_point, required=True)}
+    _check_names(spec, test, "check()")
+    return spec
+
+
+def _check_names(spec: dict, source: str, what: str) -> None:
+    """With an entry point the program supplies nothing else: every other global the tests read must exist."""
+    defined = set(vars(builtins)) | JUDGE_MODULES | {spec["entry_point"]}
+    for text in (spec["setup"], source):
+        defined |= {s.get_name() for s in symtable.symtable(text, "<tests>", "exec").get_symbols()
+                    if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    top = symtable.symtable(source, "<tests>", "exec")
+    used, tables = set(), [top]
+    while tables:
+        table = tables.pop()
+        used |= {s.get_name() for s in table.get_symbols() if s.is_referenced() and (table is top or s.is_global())}
+        tables += table.get_children()
+    missing = used - defined
+    if missing:
+        raise ValueError(f"{what} uses {sorted(missing)}, which neither the tests nor setup define; the program "
+                         f"supplies only the entry point {spec['entry_point']!r} (pass the source that defines them, "
+                         f"e.g. HumanEval's prompt, as setup)")
 
 
 def _test_count(spec: dict) -> int:
