@@ -1,0 +1,6 @@
+"""Adapters for other trainers; each imports its framework when it is imported, never before.
+
+- ``grpo_fast.integrations.trl``: ``GRPOTrainer``, TRL's trainer with grpo_fast's fused loss.
+- ``grpo_fast.integrations.verl``: grpo_fast's policy losses in verl's registry and its fused
+  LM head as verl's ``FusedLinearForPPO``.
+"""
