@@ -38,6 +38,8 @@ def worker(config: dict) -> dict:
 
     from baselines import logprobs_step, loss_step, make_batch
 
+    if config["threads"]:
+        torch.set_num_threads(config["threads"])
     batch = make_batch(config["B"], config["T"], config["V"], getattr(torch, config["dtype"]))
     impl = config["impl"]
     setup = None
@@ -62,6 +64,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one repeat (smoke test)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "ops_cpu.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -75,7 +78,7 @@ def main():
     for name, B, T, V, dtype in cases:
         by_impl = {}
         for impl in LOGPROB_IMPLS if name.startswith("logprobs") else LOSS_IMPLS:
-            config = dict(name=name, impl=impl, B=B, T=T, V=V, dtype=dtype, repeats=repeats)
+            config = dict(name=name, impl=impl, B=B, T=T, V=V, dtype=dtype, repeats=repeats, threads=args.threads)
             by_impl[impl] = run_isolated(__file__, config)
             results.append({**config, **by_impl[impl]})
             print(f"{name} {impl}: {by_impl[impl]}", file=sys.stderr)

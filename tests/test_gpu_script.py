@@ -1,0 +1,54 @@
+"""benchmarks/gpu/run_all.sh --dry-run passes as the GPU machine would run it: in a clean
+virtual environment with that machine's Triton 3.6 and transformers 5.17 (``_device_image``),
+``python3`` the only Python on PATH, the project on PYTHONPATH and not installed.
+
+The real CUDA run gets one try in a 15-minute lease, so everything but the device is proved
+here: every stage runs its code paths (checks, timings, sweep, fused LM head, trainer step,
+the pytest-benchmark suite), the results fit the tool's 8 files, every check passes.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import _device_image
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_project_is_not_installed_in_the_emulating_environment(tmp_path):
+    env = _device_image.shell_env(REPO)
+    found = subprocess.run(["python3", "-c", "import grpo_fast; print(grpo_fast.__file__)"], env=env,
+                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert found.strip() == os.path.join(REPO, "grpo_fast", "__init__.py")
+    env.pop("PYTHONPATH")
+    assert subprocess.run(["python3", "-c", "import grpo_fast"], env=env, cwd=tmp_path, capture_output=True).returncode != 0
+    python = shutil.which("python", path=env["PATH"])
+    assert python is None or subprocess.run([python], capture_output=True).returncode == 127
+
+
+def test_run_all_dry_run_passes_on_the_device_image(tmp_path):
+    out = tmp_path / "out"
+    env = _device_image.shell_env(REPO, OUT=str(out))
+    proc = subprocess.run(["bash", "benchmarks/gpu/run_all.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    log = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, log
+    files = sorted(os.listdir(out))
+    assert len(files) <= 8, files
+    stages = json.loads((out / "stages.json").read_text())["stages"]
+    assert [s["result"] for s in stages] == ["ok"] * 6, stages
+    checks = json.loads((out / "kernels_check_dryrun.json").read_text())
+    assert checks["all_checks_ok"] and len(checks["checks"]) > 20, checks
+    assert checks["triton"].startswith("3.6"), checks["triton"]
+    timings = json.loads((out / "kernels_time_dryrun.json").read_text())["timings"]
+    measured = {(r["op"], r["impl"]) for r in timings if "median_ms" in r}
+    for impl in ("fused", "plain", "trl", "compiled", "reference"):
+        assert ("loss fwd+bwd", impl) in measured and ("log-probs no-grad", impl) in measured, impl
+    suite = json.loads((out / "pytest_benchmark_dryrun.json").read_text())["benchmarks"]
+    assert len({b["group"] for b in suite}) >= 4
