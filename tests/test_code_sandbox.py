@@ -707,6 +707,17 @@ def test_syntax_error_scores_zero():
     assert score("def f(:\n", [{"input": "", "output": ""}]) == 0.0
 
 
+def test_a_bootstrap_killed_by_the_backstop_scores_zero_without_raising(monkeypatch):
+    """The caller kills a bootstrap that outlives the wall limit by _BOOT_GRACE_S (here: broken tests that loop)."""
+    from grpo_fast.rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "_BOOT_GRACE_S", 0.5)
+    limits = SandboxLimits(wall_time_s=0.5, memory_bytes=256 << 20, max_processes=8)
+    start = time.monotonic()
+    assert score("def f():\n    return 1\n", ["assert f() == 1", "while True:\n    pass"], limits) == 0.0
+    assert time.monotonic() - start < 5
+
+
 def test_require_isolation_refuses_the_fallback_which_warns_once(monkeypatch):
     from grpo_fast.rewards import sandbox
 

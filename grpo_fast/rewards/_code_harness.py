@@ -14,9 +14,7 @@ program does to its own interpreter, all the judge ever gets from it are such va
 an object that claims to equal everything arrives as an error, not as a pass.
 """
 
-import ast
 import builtins
-import importlib
 import json
 import os
 import select
@@ -229,19 +227,14 @@ class ProgramFunction:
         raise SolutionError(f"{self.name}: {name or reply.get('unsupported')}")
 
 
-def referenced_names(sources: list[str]) -> set[str]:
-    """Every name the sources read (a superset of their free names)."""
-    return {node.id for source in sources for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
-
-
 def judge(tests: dict, channel: Channel) -> int:
     """Runs the tests outside the sandbox; returns how many passed.
 
     tests: {"kind": "asserts", "asserts": [statement, ...]} (each statement one test) or
         {"kind": "check", "test": source defining check(candidate)} (one test: check(entry point)),
-        with "setup" (trusted source run first, here and before the program) and
-        "entry_point" (a name always taken from the program; None for asserts without one).
+        with "setup" (trusted source run first, here and before the program), "entry_point"
+        (a name always taken from the program; None for asserts without one) and "names"
+        (every name the tests read, which code.py found).
     Names resolve to: builtins; what setup and the test source define (trusted); the
     standard-library modules of JUDGE_MODULES; the entry point, from the program; without an
     entry point, any other name, from the program (a function becomes a ProgramFunction, a
@@ -249,12 +242,11 @@ def judge(tests: dict, channel: Channel) -> int:
     """
     namespace = {"__name__": "__test__", "__builtins__": builtins}
     exec(compile(tests["setup"], "<setup>", "exec", dont_inherit=True, optimize=0), namespace)
-    sources = tests["asserts"] if tests["kind"] == "asserts" else [tests["test"]]
     if tests["kind"] == "check":
         exec(compile(tests["test"], "<test>", "exec", dont_inherit=True, optimize=0), namespace)
-    free = referenced_names(sources) - set(namespace) - set(vars(builtins))
+    free = set(tests["names"]) - set(namespace) - set(vars(builtins))
     for name in free & JUDGE_MODULES:
-        namespace[name] = importlib.import_module(name)
+        namespace[name] = __import__(name)
     wanted = {tests["entry_point"]} if tests["entry_point"] is not None else free - JUDGE_MODULES
     try:
         # Asked even when no test needs a name: the answer says the program loaded at all.

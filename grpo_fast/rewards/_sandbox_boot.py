@@ -23,17 +23,16 @@ The bootstrap:
 Only the standard library is used: this module runs before anything else is importable.
 """
 
+import atexit
 import ctypes
 import json
 import os
 import re
 import resource
 import signal
-import stat
 import struct
 import sys
 import time
-import types
 
 import _code_harness
 
@@ -324,7 +323,7 @@ def _landlock_ruleset(cfg: dict, scratch: str, abi: int) -> int:
 
 
 def _child(cfg: dict, isolation: str, scratch: str | None, setup_pipe: int, channel) -> None:
-    """The forked child: set up the sandbox, then run the program. Never returns: SystemExit."""
+    """The forked child: set up the sandbox, then run the program. Never returns."""
     try:
         if cfg["cgroup"] is not None:
             with open(os.path.join(cfg["cgroup"], "cgroup.procs"), "w") as f:
@@ -367,14 +366,37 @@ def _child(cfg: dict, isolation: str, scratch: str | None, setup_pipe: int, chan
         os.write(setup_pipe, f"{type(exc).__name__}: {exc}".encode()[:4000])
         os._exit(SETUP_FAILED)
     os.close(setup_pipe)  # set up: from here on, whatever happens is the program's doing
-    if channel is not None:
-        _code_harness.serve(cfg["setup"], cfg["program"], *channel)
-        sys.exit(0)
-    main_module = types.ModuleType("__main__")
+    main_module = type(sys)("__main__")
     sys.modules["__main__"] = main_module  # pickle (multiprocessing) finds the program's functions
     sys.argv = ["-c", *cfg["args"]]
-    exec(compile(cfg["program"], "<string>", "exec"), main_module.__dict__)
-    sys.exit(0)
+    try:
+        if channel is not None:
+            _code_harness.serve(cfg["setup"], cfg["program"], *channel)
+        else:
+            exec(compile(cfg["program"], "<string>", "exec"), main_module.__dict__)
+        code = 0
+    except SystemExit as exc:  # what the interpreter makes of sys.exit(code)
+        code = exc.code if exc.code is None or isinstance(exc.code, int) else 1
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _exit(code or 0)
+
+
+def _exit(code: int) -> None:
+    """The interpreter's own shutdown (non-daemon threads, atexit hooks, flushed output)
+    without its teardown of every module, which takes longer than a small program."""
+    if "threading" in sys.modules:
+        sys.modules["threading"]._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a full or closed stream: what was written stays
+            pass
+    os._exit(code & 0xFF)
 
 
 # ---------------------------------------------------------------- this process (outside the sandbox)
@@ -422,12 +444,11 @@ class _Sandbox:
             for entry in entries:
                 files += 1
                 try:
-                    st = entry.stat(follow_symlinks=False)
+                    used += entry.stat(follow_symlinks=False).st_blocks * 512
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
                 except OSError:
                     continue
-                used += st.st_blocks * 512
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append(entry.path)
             if used > self.scratch_bytes or files > FALLBACK_MAX_FILES:
                 return True
         return False

@@ -92,7 +92,7 @@ def normalize_tests(tests, entry_point: str | None = None, setup: str | None = N
         for j, statement in enumerate(tests):
             _parse(statement, f"assert statement {j}")
         spec = {"kind": "asserts", "asserts": list(tests), "setup": _checked_setup(setup),
-                "entry_point": _checked_entry_point(entry_point, required=False)}
+                "entry_point": _checked_entry_point(entry_point, required=False), "names": _names_read(tests)}
         if spec["entry_point"] is not None:
             _check_names(spec, "\n".join(tests), "the assert statements")
         return spec
@@ -143,9 +143,15 @@ def _check_spec(test, entry_point, setup) -> dict:
     if "check" not in _top_level_functions(test, "the HumanEval test source"):
         raise ValueError("the HumanEval test source must define check(candidate)")
     spec = {"kind": "check", "test": test, "setup": _checked_setup(setup),
-            "entry_point": _checked_entry_point(entry_point, required=True)}
+            "entry_point": _checked_entry_point(entry_point, required=True), "names": _names_read([test])}
     _check_names(spec, test, "check()")
     return spec
+
+
+def _names_read(sources: list[str]) -> list[str]:
+    """Every name the sources read (a superset of their free names): what the judge may need to bind."""
+    return sorted({node.id for source in sources for node in ast.walk(ast.parse(source))
+                   if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)})
 
 
 def _check_names(spec: dict, source: str, what: str) -> None:
