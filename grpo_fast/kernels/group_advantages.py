@@ -69,8 +69,8 @@ def _group_advantages_kernel(
             )
             total += tl.where(scored, c, 0.0)
             count += tl.where(scored, 1.0, 0.0)
-        n = tl.sum(tl.sum(count, 1), 0)
-        batch_mean = tl.sum(tl.sum(total, 1), 0) / tl.maximum(n, 1.0)
+        n_batch = tl.sum(tl.sum(count, 1), 0)
+        batch_mean = tl.sum(tl.sum(total, 1), 0) / tl.maximum(n_batch, 1.0)
         m2 = tl.zeros([BLOCK_GROUPS, BLOCK_G], tl.float32)
         for g0 in range(0, num_groups, BLOCK_GROUPS):
             c, sample, valid, scored = _combined_tile(
@@ -78,7 +78,9 @@ def _group_advantages_kernel(
             )
             diff = tl.where(scored, c - batch_mean, 0.0)
             m2 += diff * diff
-        batch_std = tl.where(n > 1, tl.sqrt(tl.sum(tl.sum(m2, 1), 0) / tl.maximum(n - 1, 1.0)), float("nan"))
+        batch_std = tl.where(
+            n_batch > 1, tl.sqrt(tl.sum(tl.sum(m2, 1), 0) / tl.maximum(n_batch - 1, 1.0)), float("nan")
+        )
     zero_std = tl.zeros([BLOCK_GROUPS], tl.float32)
     for g0 in range(0, num_groups, BLOCK_GROUPS):
         c, sample, valid, scored = _combined_tile(rewards_ptr, weights_ptr, g0, num_groups, G, K, BLOCK_GROUPS, BLOCK_G)
