@@ -110,6 +110,23 @@ def test_program_may_use_its_scratch_dir_and_stdlib():
     assert score(code, ["assert read() == ('kept', ['notes.txt'])"]) == 1.0
 
 
+def test_multiprocessing_works_in_the_sandbox():
+    """The program's functions pickle (its module is registered) and semaphores have a /dev/shm."""
+    code = textwrap.dedent("""
+        from multiprocessing import Pool
+        def square(x):
+            return x * x
+        def squares(n):
+            with Pool(2) as pool:
+                return pool.map(square, range(n))
+        if __name__ == "__main__":
+            print(squares(4))
+    """)
+    limits = SandboxLimits(wall_time_s=3.0)  # 256 MiB per process: each thread reserves an 8 MiB stack
+    assert score(code, ["assert squares(3) == [0, 1, 4]"], limits) == 1.0
+    assert score(code, [{"input": "", "output": "[0, 1, 4, 9]"}], limits) == 1.0
+
+
 def test_extract_code_takes_the_last_fenced_block():
     text = "```python\nx = 1\n```\nthen\n```py\nx = 2\n```"
     assert extract_code(text) == "x = 2\n"

@@ -18,12 +18,13 @@ import builtins
 import json
 import os
 import select
+import sys
 import time
 
 MAX_DEPTH = 100  # nesting of encoded values; deeper fails as not plain data
 # Standard-library modules that tests use without importing them (MBPP's `math.isclose`,
-# relying on the solution's `import math`): the judge imports its own copy. Other module
-# names are not imported from what the program claims.
+# relying on the solution's `import math`): the judge imports its own copy. Any other
+# module a test needs, the test or setup imports.
 JUDGE_MODULES = frozenset({"math", "cmath", "re", "string", "collections", "itertools", "functools", "operator",
                            "heapq", "bisect", "fractions", "decimal", "statistics", "random", "copy", "datetime",
                            "json", "array", "numbers", "typing"})
@@ -114,7 +115,9 @@ def serve(setup: str, program: str, requests_fd: int, replies_fd: int) -> None:
 
     A program that raises or exits while loading answers nothing, and so passes no test.
     """
-    namespace = {"__name__": "solution", "__builtins__": builtins}
+    module = type(builtins)("solution")
+    sys.modules["solution"] = module  # pickle (multiprocessing) finds the program's functions
+    namespace = module.__dict__
     exec(compile(setup, "<setup>", "exec"), namespace)
     exec(compile(program, "solution.py", "exec"), namespace)
     with open(requests_fd, "rb") as requests, open(replies_fd, "wb") as replies:
@@ -129,8 +132,6 @@ def serve(setup: str, program: str, requests_fd: int, replies_fd: int) -> None:
 
 
 def _describe(value):
-    if type(value) is type(builtins):
-        return {"module": value.__name__}
     if callable(value):
         return "callable"
     try:
@@ -255,6 +256,7 @@ def judge(tests: dict, channel: Channel) -> int:
         return 0
     if type(described) is not dict:
         return 0
+    namespace.pop(tests["entry_point"], None)  # setup's stub of it (HumanEval's prompt) is not the program's
     for name in wanted & set(described):
         description = described[name]
         if description == "callable":
@@ -265,7 +267,7 @@ def judge(tests: dict, channel: Channel) -> int:
             except ValueError:
                 pass
     if tests["kind"] == "check":
-        candidate = namespace.get(tests["entry_point"]) if tests["entry_point"] in described else None
+        candidate = namespace.get(tests["entry_point"])
         if not isinstance(candidate, ProgramFunction):
             return 0
         try:

@@ -78,7 +78,7 @@ SECCOMP_DENIED = {
         101, 310, 311, 425, 250, 248, 249, 321, 298, 323,  # ptrace, process_vm_*, io_uring_setup, keys, bpf, ...
         90, 91, 268, 452, 92, 93, 94, 260,  # chmod, fchmod, fchmodat(2), chown, fchown, lchown, fchownat
         132, 235, 261, 280, 188, 189, 190, 197, 198, 199, 463, 466)),  # utime(s), ..., (l/f)set/removexattr(at)
-    "aarch64": (0xC00000B7, (
+    "aarch64": (0xC00000B7, (  # the same calls (aarch64 has only the *at forms of chmod, chown, utime)
         198, 129, 130, 131, 138, 240, 424, 434, 438,
         117, 270, 271, 425, 219, 217, 218, 280, 241, 282,
         52, 53, 452, 54, 55,
@@ -108,10 +108,12 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
 
 
-def _check(ret: int, what: str) -> None:
-    if ret != 0:
+def _check(ret: int, what: str) -> int:
+    """A system call's result, or OSError with its errno when it failed (returned < 0)."""
+    if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
+    return ret
 
 
 def _mount(source, target: str, fstype, flags: int, data=None) -> None:
@@ -260,8 +262,8 @@ def _drop_privileges() -> None:
     """Every capability (inside a user namespace a uid change alone does not clear them), the
     caller's keyring, any gain from setuid binaries; and the child dies with this bootstrap."""
     # A new, empty session keyring: the one inherited from the caller may hold its keys.
-    if libc.syscall(SYSCALLS[os.uname().machine]["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
-        _check(-1, "keyctl(JOIN_SESSION_KEYRING)")
+    _check(libc.syscall(SYSCALLS[os.uname().machine]["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None),
+           "keyctl(JOIN_SESSION_KEYRING)")
     header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
     _check(libc.capset(ctypes.byref(header), data), "capset")
     _check(libc.capget(ctypes.byref(header), data), "capget")
@@ -304,9 +306,8 @@ def _landlock_abi() -> int:
 def _landlock_ruleset(cfg: dict, scratch: str, abi: int) -> int:
     """The fallback's file-access rules (see SYS_LANDLOCK_*), made while the paths can still be opened."""
     handled = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1  # the access rights this ABI knows
-    ruleset = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, struct.pack("=Q", handled), 8, 0)
-    if ruleset < 0:
-        _check(-1, "landlock_create_ruleset")
+    ruleset = _check(libc.syscall(SYS_LANDLOCK_CREATE_RULESET, struct.pack("=Q", handled), 8, 0),
+                     "landlock_create_ruleset")
     rules = [("/" + name, LANDLOCK_READ) for name in SYSTEM_DIRS] + [(p, LANDLOCK_READ) for p in cfg["python_dirs"]]
     rules += [(f"/dev/{name}", LANDLOCK_DEVICE) for name in DEVICES] + [(scratch, handled)]
     for path, access in rules:
@@ -408,7 +409,7 @@ class _Sandbox:
 
     def __init__(self, pid: int, scratch: str | None, scratch_bytes: int):
         self.pid, self.scratch, self.scratch_bytes = pid, scratch, scratch_bytes
-        self.timed_out = self.scratch_full = False
+        self.timed_out = False
 
     def kill(self) -> None:
         if self.scratch is None:
@@ -417,13 +418,12 @@ class _Sandbox:
             except ProcessLookupError:
                 pass
             return
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as f:
-                for pid in f.read().split():
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:  # this process has one thread
+            for pid in f.read().split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def on_alarm(self, deadline: float) -> None:
         """SIGALRM: at the deadline (and, in the fallback, every FALLBACK_POLL_S for the scratch size)."""
@@ -431,7 +431,6 @@ class _Sandbox:
             self.timed_out = True
             self.kill()
         elif self._scratch_over():
-            self.scratch_full = True
             self.kill()
 
     def _scratch_over(self) -> bool:
@@ -514,7 +513,6 @@ def _remove_cgroup(path: str) -> None:
 def main() -> None:
     cfg = _read_message(0)
     sys.path += cfg["site_packages"]  # importable for the program and for the tests, without .pth hooks
-    cfg["cgroup"] = _make_cgroup(cfg)
     if os.uname().machine not in SYSCALLS:
         _report({"setup_error": f"the sandbox has no system-call table for {os.uname().machine}"})
         return
@@ -539,6 +537,7 @@ def main() -> None:
             os.chown(scratch, cfg["uid"], cfg["uid"])
         if _landlock_abi():
             isolation = "landlock"
+    cfg["cgroup"] = _make_cgroup(cfg)
     judged = cfg["setup"] is not None
     setup_read, setup_write = os.pipe()
     if judged:
@@ -584,10 +583,8 @@ def main() -> None:
         _remove_cgroup(cfg["cgroup"])
     _report({
         "isolation": isolation,
-        "reason": reason,
         "setup_error": setup_error,
         "timed_out": sandbox.timed_out,
-        "scratch_full": sandbox.scratch_full,
         "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
         "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
         "wall_s": time.monotonic() - start,

@@ -51,10 +51,11 @@ def extract_code(completion: str) -> str:
 def normalize_tests(tests, entry_point: str | None = None, setup: str | None = None) -> dict | None:
     """One sample's tests (any form of the module docstring) as a spec, or None for no tests.
 
-    Returns {"kind": "asserts", "asserts": [str], "setup": str, "entry_point": str | None},
-    {"kind": "check", "test": str, "setup": str, "entry_point": str} or
-    {"kind": "io", "cases": [(input, output)]}. Raises ValueError or TypeError for tests
-    that cannot run (a syntax error, HumanEval source without an entry point, a mix of forms).
+    Returns {"kind": "asserts", "asserts": [str], ...} or {"kind": "check", "test": str, ...},
+    both with "setup": str, "entry_point": str | None (never None for "check") and "names":
+    the names the tests read; or {"kind": "io", "cases": [(input, output)]}. Raises ValueError
+    or TypeError for tests that cannot run (a syntax error, HumanEval source without an entry
+    point, a helper the tests need and do not define, a mix of forms).
     """
     if isinstance(tests, str):
         stripped = tests.strip()
@@ -224,10 +225,11 @@ def code_reward(prompts: list[str], completions: list[str], tests: list, *, entr
     optional = {name: column for name, column in (("entry_point", entry_point), ("setup", setup)) if column is not None}
     n = check_batch(prompts, completions, {"tests": tests, **optional, **columns})
     limits = limits or SandboxLimits()
+    entry_points, setups = entry_point or [None] * n, setup or [None] * n
     specs = []
     for i, t in enumerate(tests):
         try:
-            specs.append(normalize_tests(t, *(optional.get(name, [None] * n)[i] for name in ("entry_point", "setup"))))
+            specs.append(normalize_tests(t, entry_points[i], setups[i]))
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"tests[{i}]: {exc}") from exc
     jobs, owners = [], []

@@ -115,7 +115,8 @@ def run_python(program: str, *, files: dict[str, str] | None = None, stdin: str 
     require_isolation: raise RuntimeError instead of running in the fallback (no namespaces).
     Thread-safe: concurrent calls run in parallel, each in its own sandbox.
     Returns a SandboxResult; stdout/stderr are cut at `limits.output_bytes`. No process the
-    program started is alive when this returns.
+    program started is alive when this returns. With namespaces the program is PID 1 of its
+    PID namespace: like any init process, it ignores signals it sends itself without a handler.
     """
     if not isinstance(program, str):
         raise TypeError(f"program must be a str of Python source, got {type(program).__name__}")
@@ -130,9 +131,10 @@ def run_judged(program: str, tests: dict, *, limits: SandboxLimits | None = None
                require_isolation: bool = False) -> SandboxResult:
     """Run `program` in the sandbox and its tests outside it; `passed` counts the tests passed.
 
-    tests: the judge's spec (see `_code_harness.judge`): {"kind": "asserts" | "check",
-        "asserts" | "test": ..., "setup": str, "entry_point": str | None}. `setup` runs
-        before the program, in the sandbox and in the judge.
+    tests: the judge's spec, as `code.normalize_tests` makes it (see `_code_harness.judge`):
+        {"kind": "asserts" | "check", "asserts" | "test": ..., "setup": str,
+        "entry_point": str | None, "names": [str]}. `setup` runs before the program, in the
+        sandbox and in the judge.
     """
     return _run({"program": program, "files": {}, "stdin": "", "args": [], "setup": tests["setup"]}, tests,
                 limits or SandboxLimits(), require_isolation)
