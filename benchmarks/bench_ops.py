@@ -4,8 +4,10 @@ Implementations (benchmarks/baselines.py): ``plain`` (float32 log_softmax + gath
 formula, eager: the baseline every ratio is taken against), ``fused`` and ``fused_inplace``
 (grpo_fast), ``trl`` (TRL's selective_log_softmax path), ``compiled`` (torch.compile of plain)
 and ``reference`` (grpo_fast.reference, the readable spec). Each (case, implementation) runs
-in a fresh subprocess, which reports the growth of its peak RSS during one call, then the
-median (20%, 80%) of timed repeats after a warm-up (which, for ``compiled``, compiles).
+in a fresh subprocess to report the growth of its peak RSS during one call; the times come
+from one process per case that alternates the implementations round by round (a warm-up
+round first, which compiles ``compiled``), so that a change in the machine's load falls on
+all of them alike: median (20%, 80%) of the rounds.
 
     python benchmarks/bench_ops.py                 # full table, writes benchmarks/results/ops_cpu.json
     python benchmarks/bench_ops.py --quick         # tiny shapes (smoke test)
@@ -17,9 +19,10 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info, peak_rss_growth, print_table, run_isolated, time_fn  # noqa: E402
+from common import machine_info, peak_rss_growth, print_table, quantiles, run_isolated  # noqa: E402
 
 # (name, B, T, V, dtype): 4096 tokens at a Llama-2-sized vocabulary, and Qwen's vocabulary.
 CASES = [
@@ -34,6 +37,10 @@ LOGPROB_IMPLS = ("plain", "fused", "trl", "compiled", "reference")
 
 
 def worker(config: dict) -> dict:
+    """``mode="memory"``: the peak RSS growth of one call of ``impl`` (a fresh process each).
+    ``mode="time"``: every implementation of the case in one process, interleaved: after a
+    warm-up call of each, ``repeats`` rounds that time one call of each in turn, so that a
+    change in the machine's load falls on all of them alike."""
     import torch
 
     from baselines import logprobs_step, loss_step, make_batch
@@ -41,23 +48,28 @@ def worker(config: dict) -> dict:
     if config["threads"]:
         torch.set_num_threads(config["threads"])
     batch = make_batch(config["B"], config["T"], config["V"], getattr(torch, config["dtype"]))
-    impl = config["impl"]
-    setup = None
-    if config["name"].startswith("logprobs"):
-        step = logprobs_step(impl, batch)
-    else:
-        step = loss_step(impl, batch)
-        if impl == "fused_inplace":  # the gradient overwrites the logits: restore them, untimed
-            pristine = batch["logits"].clone()
+    build = logprobs_step if config["name"].startswith("logprobs") else loss_step
+    pristine = batch["logits"].clone()
 
-            def setup():
-                batch["logits"].copy_(pristine)
+    def restore():  # after fused_inplace the logits hold its gradient: put them back, untimed
+        batch["logits"].copy_(pristine)
 
-    if impl == "compiled":
-        step()  # compile first: the peak below is the compiled code's, not the compiler's
-    peak = peak_rss_growth(step)
-    timing = time_fn(step, warmup=1, repeats=config["repeats"], setup=setup)
-    return {"peak_bytes": peak, **timing}
+    if config["mode"] == "memory":
+        step = build(config["impl"], batch)
+        if config["impl"] == "compiled":
+            step()  # compile first: the peak is the compiled code's, not the compiler's
+            restore()
+        return {"peak_bytes": peak_rss_growth(step)}
+    steps = {impl: build(impl, batch) for impl in config["impls"]}
+    samples = {impl: [] for impl in steps}
+    for round_ in range(1 + config["repeats"]):  # round 0 warms up (and compiles)
+        for impl, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if round_:
+                samples[impl].append(time.perf_counter() - start)
+            restore()
+    return {impl: quantiles(s) for impl, s in samples.items()}
 
 
 def main():
@@ -76,11 +88,14 @@ def main():
     repeats = 1 if args.quick else args.repeats
     results, rows = [], []
     for name, B, T, V, dtype in cases:
+        impls = LOGPROB_IMPLS if name.startswith("logprobs") else LOSS_IMPLS
+        config = dict(name=name, B=B, T=T, V=V, dtype=dtype, repeats=repeats, threads=args.threads)
+        times = run_isolated(__file__, dict(config, mode="time", impls=impls))
         by_impl = {}
-        for impl in LOGPROB_IMPLS if name.startswith("logprobs") else LOSS_IMPLS:
-            config = dict(name=name, impl=impl, B=B, T=T, V=V, dtype=dtype, repeats=repeats, threads=args.threads)
-            by_impl[impl] = run_isolated(__file__, config)
-            results.append({**config, **by_impl[impl]})
+        for impl in impls:
+            memory = run_isolated(__file__, dict(config, mode="memory", impl=impl))
+            by_impl[impl] = {**memory, **times.get(impl, {"error": times.get("error", "no timing")})}
+            results.append({**config, "impl": impl, **by_impl[impl]})
             print(f"{name} {impl}: {by_impl[impl]}", file=sys.stderr)
         row = {"case": name, "dtype": dtype, "tokens": B * T, "V": V}
         plain = by_impl["plain"]
