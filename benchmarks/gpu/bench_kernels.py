@@ -282,43 +282,51 @@ def timed_row(op, impl, step, floor_bytes, bandwidth, **shape):
                 peak_extra_bytes=cuda_peak_extra_bytes(step, DEVICE))  # fmt: skip
 
 
+def gspo_step(batch):
+    """Ours with sequence-level ratios (GSPO): the two-pass path (log-prob kernels + torch)."""
+
+    def run():
+        x = batch["logits"].detach().requires_grad_()
+        out = grpo_fast.grpo_loss(x, batch["ids"], batch["advantages"], batch["mask"], batch["old"], batch["ref"],
+                                  beta=BETA, importance_sampling="sequence")  # fmt: skip
+        torch.autograd.grad(out.loss, x)
+
+    return run
+
+
+# (op, implementation) in the order they are timed, every shape before the next pair: ours and
+# the baseline first, so that a stage cut by its budget still holds the ratios that matter;
+# torch.compile (tens of seconds of compiling per shape) and the slow reference last; the
+# in-place variant after every other reader of the logits it overwrites (its cost does not
+# depend on their values).
+TIME_ORDER = [("loss fwd+bwd", "fused"), ("loss fwd+bwd", "plain"), ("log-probs no-grad", "fused"),
+              ("log-probs no-grad", "plain"), ("loss fwd+bwd", "liger"), ("loss fwd+bwd", "trl"),
+              ("log-probs no-grad", "trl"), ("loss fwd+bwd", "fused GSPO (two-pass)"),
+              ("loss fwd+bwd", "compiled"), ("log-probs no-grad", "compiled"), ("loss fwd+bwd", "reference"),
+              ("log-probs no-grad", "reference"), ("loss fwd+bwd", "fused_inplace")]  # fmt: skip
+
+
 def stage_time():
     report = Report("time")
     bandwidth = copy_bandwidth_gbps() * 1e9
     report.data["copy_bandwidth_GBps"] = bandwidth / 1e9
     print(f"{report.data['device']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
-    for B, T, V in TIME_SHAPES:
-        N = B * T
-        batch = make_batch(B, T, V, torch.bfloat16, DEVICE)
-        rows = []
-        # Ours and the baseline first, so that a cut stage still has the ratio that matters; the
-        # in-place variant late, since it overwrites the logits (the cost does not depend on them).
-        order = ("fused", "plain", "liger", "trl", "compiled", "fused_inplace", "reference")
-        for impl in order + tuple(i for i in LOSS_IMPLS if i not in order):
-            rows.append(timed_row("loss fwd+bwd", impl, loss_step(impl, batch), N * V * 4, bandwidth, N=N, V=V))
-            report.add("timings", rows[-1])
-        gspo = grpo_fast.grpo_loss
-
-        def gspo_step():
-            x = batch["logits"].detach().requires_grad_()
-            out = gspo(x, batch["ids"], batch["advantages"], batch["mask"], batch["old"], batch["ref"], beta=BETA,
-                       importance_sampling="sequence")  # fmt: skip
-            torch.autograd.grad(out.loss, x)
-
-        rows.append(timed_row("loss fwd+bwd", "fused GSPO (two-pass)", gspo_step, N * V * 4, bandwidth, N=N, V=V))
-        report.add("timings", rows[-1])
-        for impl in LOGPROB_IMPLS:
-            rows.append(timed_row("log-probs no-grad", impl, logprobs_step(impl, batch), N * V * 2, bandwidth, N=N, V=V))
-            report.add("timings", rows[-1])
-        for op in ("loss fwd+bwd", "log-probs no-grad"):
-            plain = next(r for r in rows if r["op"] == op and r["impl"] == "plain")
-            for r in rows:
-                if r["op"] == op and "median_ms" in r and "median_ms" in plain:
-                    r["speedup_vs_plain"] = plain["median_ms"] / r["median_ms"]
-        report.save()
-        del batch
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
+    assert {i for op, i in TIME_ORDER if op == "loss fwd+bwd"} >= set(LOSS_IMPLS), "an implementation is never timed"
+    assert {i for op, i in TIME_ORDER if op == "log-probs no-grad"} >= set(LOGPROB_IMPLS)
+    batches = {(B, T, V): make_batch(B, T, V, torch.bfloat16, DEVICE) for B, T, V in TIME_SHAPES}
+    for op, impl in TIME_ORDER:
+        for (B, T, V), batch in batches.items():
+            if impl == "fused GSPO (two-pass)":
+                step = gspo_step(batch)
+            else:
+                step = (loss_step if op == "loss fwd+bwd" else logprobs_step)(impl, batch)
+            floor = B * T * V * (4 if op == "loss fwd+bwd" else 2)
+            report.add("timings", timed_row(op, impl, step, floor, bandwidth, N=B * T, V=V))
+    for r in report.data["timings"]:
+        plain = next(p for p in report.data["timings"] if (p["op"], p["V"], p["impl"]) == (r["op"], r["V"], "plain"))
+        if "median_ms" in r and "median_ms" in plain:
+            r["speedup_vs_plain"] = plain["median_ms"] / r["median_ms"]
+    report.save()
     print_table(report.data)
     return 0
 
