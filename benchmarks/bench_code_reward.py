@@ -11,11 +11,11 @@ tests. Configurations:
     workers=cores, fallback  GRPO_FAST_SANDBOX_NO_NAMESPACES=1: no namespaces, to price the isolation itself
 
 Each tree is timed in a worker process of its own that imports grpo_fast from it. With
-`--baseline DIR` (a source tree of another version, e.g. `git worktree add /tmp/base
-<commit>`), every configuration is timed for both, interleaved repeat by repeat so that the
-machine's load falls on both alike, and the table gains their ratio. Median (20%, 80%) of
-timed repeats after one warm-up batch. Every batch must score 1.0 on every completion
-(checked), so a broken sandbox cannot look fast.
+`--baseline DIR` (a source tree of another version, e.g. `git clone --shared . /tmp/base
+&& git -C /tmp/base checkout <commit>`), every configuration is timed for both,
+interleaved repeat by repeat so that the machine's load falls on both alike, and the table
+gains their ratio. Median (20%, 80%) of timed repeats after one warm-up batch. Every batch
+must score 1.0 on every completion (checked), so a broken sandbox cannot look fast.
 
     python benchmarks/bench_code_reward.py --baseline /tmp/base   # writes results/code_reward.json
     python benchmarks/bench_code_reward.py --quick                # 8 completions, 2 repeats, no JSON
@@ -88,6 +88,14 @@ class Worker:
         self.proc.wait()
 
 
+def _commit(tree: str | None) -> str | None:
+    """The baseline's git commit (its path if it is no checkout)."""
+    if tree is None:
+        return None
+    found = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return found.stdout.strip() if found.returncode == 0 else tree
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -133,7 +141,7 @@ def main():
     if not args.quick:
         out = os.path.join(REPO, "benchmarks", "results", "code_reward.json")
         with open(out, "w") as f:
-            json.dump({"machine": machine_info(), "root": os.geteuid() == 0, "baseline": args.baseline,
+            json.dump({"machine": machine_info(), "root": os.geteuid() == 0, "baseline": _commit(args.baseline),
                        "rows": rows}, f, indent=2)
         print(f"wrote {out}")
 

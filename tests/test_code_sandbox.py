@@ -262,8 +262,11 @@ def test_codec_round_trip_and_rejects_anything_else():
     for value in values:
         decoded = _code_harness.decode(json.loads(json.dumps(_code_harness.encode(value))))
         assert decoded == value and type(decoded) is type(value)
+    too_deep = []
+    for _ in range(_code_harness.MAX_DEPTH + 1):
+        too_deep = [too_deep]
     for junk in [{"tuple": 1}, {"set": [[1]]}, {"dict": [[[1], 2]]}, {"x": []}, {"tuple": [], "set": []},
-                 {"bytes": 3}, {"complex": ["a", 1]}, [[[[]]]] * 0 + [eval("[" * 150 + "]" * 150)]]:
+                 {"bytes": 3}, {"complex": ["a", 1]}, too_deep]:
         with pytest.raises(ValueError):
             _code_harness.decode(junk)
     with pytest.raises(TypeError):
@@ -507,12 +510,17 @@ if calls is not None:  # a session keyring of this process's own, holding the se
     assert libc.syscall(calls[1], 1, b"grpo_fast_test_session") > 0  # KEYCTL_JOIN_SESSION_KEYRING
     secret = request["secret"].encode()
     assert libc.syscall(calls[0], b"user", b"grpo_fast_test", secret, len(secret), -3) > 0  # add_key
-programs = [p.replace("$$trainer_pid", str(os.getpid())) for p in request["programs"]]
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's, tested on its own
-    scores = code_reward(["p"] * len(programs), programs, tests=request["tests"],
+    isolation = run_python("pass").isolation
+    # Without Landlock the fallback does not confine files: those attacks would succeed.
+    run = [i for i, name in enumerate(request["names"]) if isolation != "none" or name not in request["needs_landlock"]]
+    programs = [request["programs"][i].replace("$$trainer_pid", str(os.getpid())) for i in run]
+    scores = code_reward(["p"] * len(programs), programs, tests=[request["tests"][i] for i in run],
                          limits=SandboxLimits(**request["limits"]), max_workers=4)
-print(json.dumps({"scores": scores, "received": len(received), "isolation": run_python("pass").isolation}))
+by_index = dict(zip(run, scores))
+print(json.dumps({"scores": [by_index.get(i) for i in range(len(request["names"]))], "received": len(received),
+                  "isolation": isolation}))
 """
 
 
@@ -557,7 +565,8 @@ class Battery:
             programs.append(Template(textwrap.dedent(program)).safe_substitute(context))
             tests.append({"asserts": [Template(a).safe_substitute(context) for a in asserts], "setup": setup})
         signals_before = len(pytest_signals)
-        request = {"repo": REPO, "programs": programs, "tests": tests, "secret": self.secret,
+        request = {"repo": REPO, "names": self.names, "programs": programs, "tests": tests, "secret": self.secret,
+                   "needs_landlock": sorted(NEEDS_LANDLOCK),
                    "limits": {"wall_time_s": 3.0, "memory_bytes": 256 << 20, "max_processes": 8,
                               "scratch_bytes": 8 << 20}}
         env = {**os.environ, "GRPO_FAST_SANDBOX_NO_NAMESPACES": str(int(mode.endswith("fallback")))}
