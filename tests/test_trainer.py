@@ -5,6 +5,7 @@ takes tens of milliseconds; the full default demo run is in tests/test_cli.py.
 """
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -99,41 +100,54 @@ def test_score_none_is_nan_and_extra_columns_reach_the_function():
 # ---------------------------------------------------------------- the update
 
 
+def off_policy(trainer, batch):
+    """``batch`` with old log-probs 0.3-normal noise away from the policy's, so that ratios
+    leave the trust region and clip."""
+    C = batch.completion_mask.shape[1]
+    old = completion_logprobs(trainer.policy, batch.input_ids, batch.attention_mask, C)
+    noise = 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=old.dtype)
+    return dataclasses.replace(batch, old_logprobs=old + noise)
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batches_give_the_full_batch_gradient(tmp_path, loss_type):
-    """Gradient accumulation over micro-batches of 3 (uneven) equals one full-batch backward,
-    for every loss type of the spec."""
+    """Gradient accumulation over packed micro-batches cut by rows (3, uneven) or by a token
+    budget equals one full-batch backward, for every loss type of the spec."""
     eps_high = 5.0 if loss_type == "cispo" else None
-    trainer = GRPOTrainer(small_config(tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2, eps_high=eps_high))
-    batch = trainer.compute_advantages(trainer.make_rollout())
-    assert batch.old_logprobs is not None and batch.ref_logprobs is not None
+    trainer = GRPOTrainer(small_config(tmp_path, loss_type=loss_type, beta=0.1, eps_high=eps_high))
+    batch = off_policy(trainer, trainer.compute_advantages(trainer.make_rollout()))
+    assert batch.ref_logprobs is not None
     num_items = batch.completion_mask.sum()
     grads = []
-    for micro in (None, 3):
-        trainer.config.micro_batch_size = micro
+    for rows, budget in ((None, None), (3, None), (None, 24)):
+        trainer.config.micro_batch_size, trainer.config.max_tokens_per_micro_batch = rows, budget
         metrics = trainer.accumulate_gradients(batch, num_items)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
         trainer.optimizer.zero_grad(set_to_none=True)
         assert all(metrics[k] is not None for k in ("loss", "kl", "entropy"))
+    assert len(trainer.micro_batches(batch)) > 3  # the budget did cut (16 rows of 5 to 11 tokens)
     assert grads[0].norm() > 0
-    assert rel_err(grads[1], grads[0]) < 1e-5
+    assert rel_err(grads[1], grads[0]) < 1e-5 and rel_err(grads[2], grads[0]) < 1e-5
 
 
 def test_fused_linear_loss_gives_the_logits_path_gradient(tmp_path):
     """fused_linear=True (loss from hidden states and the LM head) against the logits path."""
-    trainer = GRPOTrainer(small_config(tmp_path, beta=0.1, num_iterations=2, micro_batch_size=6))
-    batch = trainer.compute_advantages(trainer.make_rollout())
+    trainer = GRPOTrainer(small_config(tmp_path, beta=0.1, micro_batch_size=6))
+    batch = off_policy(trainer, trainer.compute_advantages(trainer.make_rollout()))
     num_items = batch.completion_mask.sum()
-    grads, metrics = [], []
+    grads, metrics, logprobs = [], [], []
     for fused in (False, True):
         trainer.config.fused_linear = fused
-        metrics.append(trainer.accumulate_gradients(batch, num_items))
+        logprobs.append([])
+        metrics.append(trainer.accumulate_gradients(batch, num_items, logprobs[-1]))
         grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
         trainer.optimizer.zero_grad(set_to_none=True)
     assert grads[0].norm() > 0
     assert rel_err(grads[1], grads[0]) < 1e-5
     for key in ("loss", "kl", "entropy", "clip_ratio_region"):
         assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-5, abs=1e-7), key
+    m = batch.completion_mask.bool()
+    assert rel_err(torch.cat(logprobs[1])[m], torch.cat(logprobs[0])[m]) < 1e-5
 
 
 def test_reference_is_none_copy_or_lora_without_adapters(tmp_path):

@@ -46,7 +46,11 @@ class GRPOConfig(LossConfig):
     max_prompt_length: int | None = option(None, "longer prompts keep their last tokens; None = no limit")
     max_new_tokens: int = option(4, "completion length limit (also dr_grpo's max_completion_length when unset)")
     top_p: float = option(1.0, "nucleus sampling threshold in (0, 1]")
+    top_k: int = option(0, "sample among the k most likely tokens only; 0 = all")
     generator: str = option("hf", f"generation engine: {', '.join(ENGINES)}")
+    compile_generation: bool = option(False, "sampler engine, CUDA: static KV cache, decode step compiled to a CUDA graph")
+    dynamic_sampling: bool = option(False, "DAPO: drop groups whose rewards are all equal, sample more prompts to refill")
+    max_sampling_rounds: int = option(3, "dynamic sampling: at most this many generation rounds per step")
     advantage_scale: str = option("group", "divide advantages by the group's std, the batch's, or none (Dr. GRPO)")
     num_iterations: int = option(1, "mu: optimisation passes over each rollout batch")
 
@@ -58,7 +62,10 @@ class GRPOConfig(LossConfig):
     warmup_steps: int = option(5, "linear warmup, in training steps")
     lr_schedule: str = option("constant", f"after warmup: {', '.join(LR_SCHEDULES)}")
     max_grad_norm: float | None = option(1.0, "clip the gradient norm to this; None = no clipping")
-    micro_batch_size: int | None = option(None, "sequences per forward/backward; None = the whole batch")
+    max_tokens_per_micro_batch: int | None = option(
+        None, "token budget (prompt + completion) of one packed forward/backward; None = the whole batch"
+    )
+    micro_batch_size: int | None = option(None, "at most this many sequences per forward/backward; None = no limit")
 
     # memory and speed
     precision: str = option("auto", "auto = bf16 autocast on CUDA, fp32 on CPU; or bf16, fp32")
@@ -125,7 +132,7 @@ class GRPOConfig(LossConfig):
             value = getattr(self, name)
             require(value in options, f"{name} must be one of {tuple(options)}, got {value!r}")
 
-        for name in ("steps", "batch_size", "max_new_tokens", "num_iterations"):
+        for name in ("steps", "batch_size", "max_new_tokens", "num_iterations", "max_sampling_rounds"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
         require(
@@ -142,8 +149,19 @@ class GRPOConfig(LossConfig):
                 isinstance(self.micro_batch_size, int) and 1 <= self.micro_batch_size <= self.batch_size,
                 f"micro_batch_size must be an int in [1, batch_size={self.batch_size}], got {self.micro_batch_size!r}",
             )
+        if self.max_tokens_per_micro_batch is not None:
+            require(
+                isinstance(self.max_tokens_per_micro_batch, int) and self.max_tokens_per_micro_batch >= 1,
+                f"max_tokens_per_micro_batch must be an int >= 1 or None, got {self.max_tokens_per_micro_batch!r}",
+            )
         self.loss_config()
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        require(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an int >= 0, got {self.top_k!r}")
+        require(
+            not self.compile_generation or self.generator == "sampler",
+            f"compile_generation needs generator='sampler' (it compiles that engine's decode step), "
+            f"got generator={self.generator!r}",
+        )
         require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate!r}")
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         require(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every!r}")

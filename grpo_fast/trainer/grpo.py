@@ -2,21 +2,25 @@
 
     for step:                                            # train_step, a template:
         rows     <- next batch_size / G prompts (shuffled each epoch, resumable by position)
-        rollout  <- G samples per prompt (a generation engine), rewards [N, K],
-                    old log-probs (num_iterations > 1), reference log-probs (beta != 0)
+        rollout  <- G samples per prompt (a generation engine), rewards [N, K]; with
+                    dynamic sampling, groups with equal rewards dropped and more prompts
+                    sampled (up to max_sampling_rounds); reference log-probs (beta != 0)
         advantages <- group advantages of the rewards                compute_advantages
         for iteration in range(num_iterations):         # one optimizer step each
-            for micro-batch: loss <- grpo_loss(logits of completion tokens only); backward
-                                                                     accumulate_gradients
+            for packed micro-batch (a token budget): loss <- the loss on the completion
+                tokens' log-probs; backward                          accumulate_gradients
             clip grad norm; AdamW step; LR schedule step             optimizer_step
         log metrics.jsonl; checkpoint every save_every steps
 
 The PPO baseline (``ppo.py``) overrides the three named steps. Choices: the loss's options
 are one :class:`grpo_fast.LossConfig` built once from the config; its temperature is the
-sampling temperature (the log-probs are those of the distribution that sampled);
-micro-batch losses are weighted by the loss spec so that the accumulated gradient equals
-the full-batch gradient for every loss type; on CUDA the forward passes run under bf16
-autocast while weights and optimizer state stay float32.
+sampling temperature (the log-probs are those of the distribution that sampled). Every
+forward runs on packed sequences (``packing.py``: no padding computed, the LM head only at
+completion positions), in micro-batches cut by a token budget so that each does similar
+work, weighted by the loss spec so that the accumulated gradient equals the full-batch
+gradient for every loss type. The old log-probs (num_iterations > 1) are the first pass's
+own: it runs at the sampling weights, so no separate forward computes them. On CUDA the
+forward passes run under bf16 autocast while weights and optimizer state stay float32.
 """
 
 import copy
@@ -31,14 +35,29 @@ import time
 import numpy as np
 import torch
 
-from grpo_fast import fused_linear_grpo_loss, group_advantages, grpo_loss
+from grpo_fast import fused_linear_grpo_loss, fused_linear_token_logprobs, group_advantages, token_logprobs
+from grpo_fast.ops._policy import PolicyBatch, policy_loss
+from grpo_fast.outputs import GroupAdvantages
 from grpo_fast.tasks import DATASET_REWARDS, DEMO_REWARDS, get_reward_function, load_rows
 from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer import run_log
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.generators import make_generator
-from grpo_fast.outputs import GroupAdvantages
-from grpo_fast.trainer.rollout import Rollout, autocast, completion_hidden, completion_logits, rollout
+from grpo_fast.trainer.packing import Packed, micro_batches, pack, packed_hidden, packed_logits, to_grid
+from grpo_fast.trainer.rollout import (
+    Rollout,
+    autocast,
+    concat_rollouts,
+    groups_with_signal,
+    packed_completion_logprobs,
+    reference_context,
+    rollout,
+    select_groups,
+)
+
+
+# The loss and the loss metrics that each backward pass logs (LossOutput's fields but ratio_mean).
+PASS_METRICS = ("loss", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy")
 
 
 def seed_everything(seed: int) -> None:
@@ -172,11 +191,11 @@ class GRPOTrainer:
         return 1.0
 
     # ---------------------------------------------------------------- data
-    def next_rows(self) -> tuple:
-        """The next prompts_per_step rows and their data positions (the keys of their samples):
-        a fresh seeded shuffle each epoch, so a position resumes."""
+    def next_rows(self, count: int | None = None) -> tuple:
+        """The next ``count`` rows (default prompts_per_step) and their data positions (the keys
+        of their samples): a fresh seeded shuffle each epoch, so a position resumes."""
         rows, keys = [], []
-        for _ in range(self.config.prompts_per_step):
+        for _ in range(self.config.prompts_per_step if count is None else count):
             epoch, index = divmod(self.data_position, len(self.rows))
             rows.append(self.rows[self._epoch_order(epoch)[index]])
             keys.append(self.data_position)
@@ -192,22 +211,45 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- one step
     def make_rollout(self) -> Rollout:
-        """The step's experience: samples, rewards, and the log-probs the loss needs."""
+        """The step's experience: samples, rewards, and the reference log-probs (beta != 0)."""
+        batch = self.sample_groups()
+        if self.reference is not None and batch.input_ids.shape[0]:
+            with reference_context(self.policy, self.reference):
+                ref = packed_completion_logprobs(self.reference, self.micro_batches(batch),
+                                                 temperature=self.config.temperature, bf16=self.bf16)  # fmt: skip
+            batch = dataclasses.replace(batch, ref_logprobs=ref)
+        return batch
+
+    def sample_groups(self) -> Rollout:
+        """prompts_per_step groups of G samples with their rewards. With dynamic_sampling (DAPO)
+        a group whose rewards are all equal is dropped (its advantages are 0: no signal) and
+        another round of prompts is sampled, until the batch is full or max_sampling_rounds
+        rounds ran; surplus groups of the last round are left out. The batch may then hold
+        fewer groups, or none."""
         config = self.config
-        rows, keys = self.next_rows()
-        return rollout(
-            self.generator,
-            rows,
-            keys,
-            self.reward_funcs,
-            group_size=config.group_size,
-            policy=self.policy,
-            reference=self.reference,
-            need_old_logprobs=config.num_iterations > 1,
-            temperature=config.temperature,
-            micro_batch_size=config.micro_batch_size,
-            bf16=self.bf16,
-        )
+        G, wanted = config.group_size, config.prompts_per_step
+        rounds_allowed = config.max_sampling_rounds if config.dynamic_sampling else 1
+        parts, kept, dropped, rounds = [], 0, 0, 0
+        while kept < wanted and rounds < rounds_allowed:
+            rows, keys = self.next_rows()
+            part = rollout(self.generator, rows, keys, self.reward_funcs, group_size=G)
+            rounds += 1
+            if config.dynamic_sampling:
+                signal = groups_with_signal(part.rewards, G, config.reward_weights)
+                dropped += int((~signal).sum())
+                part = select_groups(part, signal.nonzero().squeeze(1)[: wanted - kept], G)
+            kept += len(part.prompts) // G
+            parts.append(part)
+        batch = concat_rollouts(parts, self.tokenizer.pad_token_id)
+        return dataclasses.replace(batch, sampling_rounds=rounds, dropped_groups=dropped)
+
+    def micro_batches(self, batch: Rollout) -> list:
+        """The batch's rows packed into micro-batches of at most max_tokens_per_micro_batch
+        tokens (and micro_batch_size rows): :class:`~grpo_fast.trainer.packing.Packed` each."""
+        config, C = self.config, batch.completion_mask.shape[1]
+        lengths = batch.attention_mask.sum(1).tolist()
+        slices = micro_batches(lengths, config.max_tokens_per_micro_batch, config.micro_batch_size)
+        return [pack(batch.input_ids, batch.attention_mask, C, rows) for rows in slices]
 
     def compute_advantages(self, batch: Rollout) -> Rollout:
         """GRPO's critic-free advantages: each reward relative to its group's."""
@@ -217,48 +259,67 @@ class GRPOTrainer:
         )
         return dataclasses.replace(batch, advantages=GroupAdvantages(*(t.to(self.device) for t in advantages)))
 
-    def _loss(self, batch: Rollout, rows: slice, num_items: torch.Tensor):
-        """The loss output for one micro-batch ``rows`` of ``batch``."""
-        ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
-        C = batch.completion_mask.shape[1]
-        args = (
-            ids[:, -C:],
-            batch.advantages.advantages[rows],
-            batch.completion_mask[rows],
-            None if batch.old_logprobs is None else batch.old_logprobs[rows],
-            None if batch.ref_logprobs is None else batch.ref_logprobs[rows],
-        )
-        options = dict(num_items_in_batch=num_items, return_entropy=True, loss_config=self.loss_config)
+    def _loss(self, batch: Rollout, packed: Packed, num_items: torch.Tensor):
+        """``(loss output, log-probs [n, C] detached)`` of one packed micro-batch of ``batch``.
+
+        The loss is the loss spec's on the rows' [n, C] completion grid (what ``grpo_loss``
+        computes on padded logits); only the per-token log-probs travel to the grid, the
+        logits [1, Nc, V] stay packed.
+        """
+        rows, config = packed.rows, self.loss_config
+        present = batch.attention_mask[rows, -batch.completion_mask.shape[1] :].bool()  # [n, C] a token is there
+
+        def on_grid(x):  # per-token inputs hold 0 where no token is (the loss weighs those 0)
+            return None if x is None else x[rows].masked_fill(~present, 0.0)
+
+        adv, mask = batch.advantages.advantages[rows], batch.completion_mask[rows]
+        old, ref = on_grid(batch.old_logprobs), on_grid(batch.ref_logprobs)
         with autocast(self.device, self.bf16):
             if self.config.fused_linear:
                 head = self.policy.get_output_embeddings()
-                hidden = completion_hidden(self.policy, ids, mask, C)
-                return fused_linear_grpo_loss(hidden, head.weight, *args, bias=head.bias, **options)
-            return grpo_loss(completion_logits(self.policy, ids, mask, C), *args, **options)
+                hidden = to_grid(packed_hidden(self.policy, packed), packed)  # [n, C, H]
+                ids = to_grid(packed.targets, packed)
+                out = fused_linear_grpo_loss(hidden, head.weight, ids, adv, mask, old, ref, bias=head.bias,
+                                             num_items_in_batch=num_items, return_entropy=True, loss_config=config)
+                logp = fused_linear_token_logprobs(hidden.detach(), head.weight.detach(), ids, bias=head.bias,
+                                                   temperature=config.temperature)  # fmt: skip
+                return out, logp
+            logits = packed_logits(self.policy, packed)  # [1, Nc, V]
+        logp, entropy = token_logprobs(logits, packed.targets, temperature=config.temperature, return_entropy=True)
+        logp, entropy = to_grid(logp, packed), to_grid(entropy, packed)
+        inputs = PolicyBatch.prepare(config, mask.shape, logp.dtype, logp.device, adv, mask, old, ref,
+                                     num_items_in_batch=num_items)  # fmt: skip
+        return policy_loss(logp, inputs, config, entropy), logp.detach()
 
-    def accumulate_gradients(self, batch: Rollout, num_items: torch.Tensor) -> dict:
-        """Backward over ``batch`` in micro-batches; the summed gradient is the full batch's:
-        each micro-batch's loss is weighted by the loss type's aggregation (the loss spec).
+    def accumulate_gradients(self, batch: Rollout, num_items: torch.Tensor, logprobs: list | None = None) -> dict:
+        """Backward over ``batch`` in packed micro-batches; the summed gradient is the full
+        batch's: each micro-batch's loss is weighted by the loss type's aggregation (the loss spec).
+
+        Args:
+            num_items: the active-token count of the whole batch (dapo, cispo).
+            logprobs: when a list, the policy's log-probs of each micro-batch ([n, C],
+                detached) are appended to it, in row order.
 
         Returns the loss and the token-weighted means of the loss metrics over the batch.
         """
         N = batch.input_ids.shape[0]
-        micro = self.config.micro_batch_size or N
         tokens = batch.completion_mask.sum(1)  # [N]
         total_tokens = tokens.sum().item()
         aggregation = self.loss_config.aggregation
-        sums = dict(loss=0.0, kl=0.0, clip_ratio_low=0.0, clip_ratio_high=0.0, clip_ratio_region=0.0, entropy=0.0)
-        for i in range(0, N, micro):
-            rows = slice(i, min(i + micro, N))
+        sums = dict.fromkeys(PASS_METRICS, 0.0)
+        for packed in self.micro_batches(batch):
+            rows = packed.rows
             micro_tokens = tokens[rows].sum().item()
             share = micro_tokens / max(total_tokens, 1.0)
             weight = aggregation.micro_batch_weight(
                 rows.stop - rows.start, micro_tokens, N, total_tokens, self.loss_config, num_items.item()
             )
-            out = self._loss(batch, rows, num_items)
+            out, logp = self._loss(batch, packed, num_items)
             (out.loss * weight).backward()
+            if logprobs is not None:
+                logprobs.append(logp)
             sums["loss"] += out.loss.item() * weight
-            for key in ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy"):
+            for key in PASS_METRICS[1:]:
                 value = getattr(out, key)
                 sums[key] = None if value is None or sums[key] is None else sums[key] + value.item() * share
         return sums
@@ -274,15 +335,24 @@ class GRPOTrainer:
         return dict(grad_norm=grad_norm)
 
     def train_step(self) -> dict:
-        """One step: rollout -> advantages -> num_iterations x (backward passes -> optimizer)."""
+        """One step: rollout -> advantages -> num_iterations x (backward passes -> optimizer).
+        A step whose rollout kept no group (dynamic sampling) makes no update."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
-        batch = self.compute_advantages(self.make_rollout())
+        batch = self.make_rollout()
+        if batch.input_ids.shape[0] == 0:
+            self.step += 1
+            return self._step_metrics(batch, [], time.perf_counter() - start)
+        batch = self.compute_advantages(batch)
         num_items = batch.completion_mask.sum()  # active tokens of the whole batch (dapo/cispo/bnpo)
         passes = []
         for _ in range(self.config.num_iterations):
-            sums = self.accumulate_gradients(batch, num_items)
+            # The first pass runs at the sampling weights: its log-probs are the old policy's.
+            record = [] if batch.old_logprobs is None and self.config.num_iterations > 1 else None
+            sums = self.accumulate_gradients(batch, num_items, record)
+            if record is not None:
+                batch = dataclasses.replace(batch, old_logprobs=torch.cat(record))
             sums.update(self.optimizer_step())
             passes.append(sums)
         self.step += 1
@@ -294,26 +364,30 @@ class GRPOTrainer:
 
     def _step_metrics(self, batch: Rollout, passes: list, elapsed: float, **extra) -> dict:
         """The step's log line: rollout statistics, the mean of each pass metric over the
-        num_iterations passes, throughput and memory, ``extra`` and the per-reward means."""
-        combined = batch.advantages.rewards
+        num_iterations passes (None when the step made no update), throughput and memory,
+        ``extra`` and the per-reward means."""
+        combined = batch.rewards.new_empty(0) if batch.advantages is None else batch.advantages.rewards
         scored = combined[~combined.isnan()]  # completions no reward function scored are left out, as TRL
         metrics = dict(
             step=self.step,
             reward_mean=scored.mean().item() if len(scored) else None,
             reward_std=scored.std().item() if len(scored) > 1 else None,
-            frac_reward_zero_std=batch.advantages.frac_zero_std.item(),
+            frac_reward_zero_std=None if batch.advantages is None else batch.advantages.frac_zero_std.item(),
         )
-        for key in passes[0]:
+        for key in passes[0] if passes else PASS_METRICS:
             values = [p[key] for p in passes]
-            metrics[key] = None if None in values else sum(values) / len(values)
+            metrics[key] = None if None in values or not values else sum(values) / len(values)
+        lengths = batch.completion_mask.sum(1)
         metrics.update(
-            completion_len_mean=batch.completion_mask.sum(1).mean().item(),
+            completion_len_mean=lengths.mean().item() if len(lengths) else None,
             tokens_per_s=batch.attention_mask.sum().item() / elapsed,
             step_time_s=elapsed,
             peak_mem_bytes=self._peak_memory(),
             learning_rate=self.scheduler.get_last_lr()[0],
             **extra,
         )
+        if self.config.dynamic_sampling:
+            metrics.update(sampling_rounds=batch.sampling_rounds, groups_dropped=batch.dropped_groups)
         for k, name in enumerate(self.reward_names):
             column = batch.rewards[:, k]
             metrics[f"rewards/{name}"] = column.nanmean().item() if not column.isnan().all() else None
@@ -397,9 +471,9 @@ class GRPOTrainer:
             metrics = self.train_step()
             self.history.append(metrics)
             run_log.append_metrics(self.output_dir, metrics)
-            kl = metrics["kl"]
+            reward, kl = metrics["reward_mean"], metrics["kl"]
             bar.set_postfix(
-                reward=f"{metrics['reward_mean']:.3f}",
+                reward="-" if reward is None else f"{reward:.3f}",
                 kl="-" if kl is None else f"{kl:.4f}",
                 tok_s=f"{metrics['tokens_per_s']:.0f}",
                 refresh=False,

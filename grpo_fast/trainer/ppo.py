@@ -194,9 +194,9 @@ class PPOTrainer(GRPOTrainer):
         fields.update(completion_mask=mask, advantages=batch.advantages._replace(advantages=advantages))
         return PPORollout(**fields, old_values=old_values, returns=returns)
 
-    def accumulate_gradients(self, batch: PPORollout, num_items) -> dict:
+    def accumulate_gradients(self, batch: PPORollout, num_items, logprobs: list | None = None) -> dict:
         """The policy's backward passes (GRPO's own), then the critic's."""
-        sums = super().accumulate_gradients(batch, num_items)
+        sums = super().accumulate_gradients(batch, num_items, logprobs)
         sums.update(self.accumulate_value_gradients(batch, num_items))
         return sums
 

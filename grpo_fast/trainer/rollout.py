@@ -1,10 +1,13 @@
 """The rollout: G sampled completions per prompt, their rewards and log-probs.
 
 Shared by the GRPO trainer and the PPO baseline: both sample with a generation engine
-(``grpo_fast/trainer/generators/``), score with :func:`score`, and compute per-token
-log-probs of completions with :func:`completion_logits` + ``grpo_fast.token_logprobs``
-(logits are computed only for the completion positions, never for the prompt). The
-advantages are the trainer's next step (``GRPOTrainer.compute_advantages``).
+(``grpo_fast/trainer/generators/``), score with :func:`score`, keep only the groups that
+carry a signal when sampling dynamically (:func:`groups_with_signal`, :func:`select_groups`,
+:func:`concat_rollouts`), and compute per-token log-probs of completions on packed
+sequences (:func:`packed_completion_logprobs`; ``packing.py``) or, for callers that hold
+padded batches, with :func:`completion_logits` + ``grpo_fast.token_logprobs``. Logits are
+computed only for the completion positions, never for the prompt. The advantages are the
+trainer's next step (``GRPOTrainer.compute_advantages``).
 
 Sequence layout, N = num_prompts * G rows (see :class:`~grpo_fast.trainer.generators.Generation`):
 
@@ -14,14 +17,16 @@ Sequence layout, N = num_prompts * G rows (see :class:`~grpo_fast.trainer.genera
 """
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from grpo_fast import token_logprobs
+from grpo_fast import group_advantages, token_logprobs
 from grpo_fast.outputs import GroupAdvantages
+from grpo_fast.trainer.packing import packed_logits, to_grid
 
 
 class RewardError(RuntimeError):
@@ -44,6 +49,8 @@ class Rollout:
     # set by the trainer's compute_advantages: .advantages [N] (or [N, C] for PPO),
     # .rewards [N] (weighted sum, NaN where unscored), group stats
     advantages: GroupAdvantages | None = None
+    sampling_rounds: int = 1  # generation rounds it took (dynamic sampling)
+    dropped_groups: int = 0  # groups sampled but dropped: their rewards were all equal
 
 
 def autocast(device: torch.device, bf16: bool):
@@ -145,53 +152,87 @@ def reference_context(policy, reference):
     return contextlib.nullcontext()
 
 
-def rollout(
-    generator,
-    rows: list,
-    keys: list,
-    reward_funcs: list,
-    *,
-    group_size: int,
-    policy=None,
-    reference=None,
-    need_old_logprobs: bool = False,
-    temperature: float = 1.0,
-    micro_batch_size: int | None = None,
-    bf16: bool = False,
-) -> Rollout:
-    """Generation, rewards and (when asked) old/reference log-probs of one batch.
+@torch.no_grad()
+def packed_completion_logprobs(model, packs: list, *, temperature: float = 1.0, bf16: bool = False) -> torch.Tensor:
+    """Per-token log-probs of the completion tokens under ``model``, from packed forwards:
+    [N, C] over the rows the ``packs`` cover in order (``packing.pack``), 0 where a row has
+    no token; float32 (float64 for a float64 model), no grad."""
+    out = []
+    for packed in packs:
+        with autocast(packed.input_ids.device, bf16):
+            logits = packed_logits(model, packed)
+        out.append(to_grid(token_logprobs(logits, packed.targets, temperature=temperature), packed))
+    return torch.cat(out)
+
+
+def groups_with_signal(rewards: torch.Tensor, group_size: int, reward_weights=None) -> torch.Tensor:
+    """[num_groups] bool: the groups whose advantages are not all 0, i.e. whose scored
+    rewards [N, K] are not all equal (DAPO's dynamic sampling keeps these)."""
+    advantages = group_advantages(rewards, group_size, scale="none", reward_weights=reward_weights).advantages
+    return (advantages.view(-1, group_size) != 0).any(1)
+
+
+def select_groups(batch: Rollout, groups: torch.Tensor, group_size: int) -> Rollout:
+    """The rows of the groups ``groups`` [k] (indices, in order) of a rollout without
+    advantages or log-probs yet."""
+    rows = (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1).tolist()
+    pick = torch.tensor(rows, dtype=torch.long)
+    return dataclasses.replace(
+        batch,
+        prompts=[batch.prompts[i] for i in rows],
+        completions=[batch.completions[i] for i in rows],
+        columns={key: [values[i] for i in rows] for key, values in batch.columns.items()},
+        **{name: getattr(batch, name)[pick.to(getattr(batch, name).device)]
+           for name in ("input_ids", "attention_mask", "completion_mask", "rewards")},
+    )  # fmt: skip
+
+
+def concat_rollouts(parts: list, pad_token_id: int) -> Rollout:
+    """Rollouts (without advantages or log-probs yet) one after the other, re-padded to the
+    widest prompt (on the left) and the longest completion (on the right)."""
+    parts = [part for part in parts if part.input_ids.shape[0]] or parts[-1:]
+    if len(parts) == 1:
+        return parts[0]
+    C = max(part.completion_mask.shape[1] for part in parts)
+    P = max(part.input_ids.shape[1] - part.completion_mask.shape[1] for part in parts)
+
+    def widen(x, c, value):  # [n, p + c] -> [n, P + C]: pad the prompt on the left, the completion on the right
+        return torch.nn.functional.pad(x, (P - (x.shape[1] - c), C - c), value=value)
+
+    widths = [part.completion_mask.shape[1] for part in parts]
+    return dataclasses.replace(
+        parts[0],
+        prompts=[p for part in parts for p in part.prompts],
+        completions=[c for part in parts for c in part.completions],
+        columns={key: [v for part in parts for v in part.columns[key]] for key in parts[0].columns},
+        input_ids=torch.cat([widen(part.input_ids, c, pad_token_id) for part, c in zip(parts, widths)]),
+        attention_mask=torch.cat([widen(part.attention_mask, c, 0) for part, c in zip(parts, widths)]),
+        completion_mask=torch.cat([
+            torch.nn.functional.pad(part.completion_mask, (0, C - c)) for part, c in zip(parts, widths)
+        ]),
+        rewards=torch.cat([part.rewards for part in parts]),
+    )  # fmt: skip
+
+
+def rollout(generator, rows: list, keys: list, reward_funcs: list, *, group_size: int) -> Rollout:
+    """Generation and rewards of one batch of prompts (no log-probs: the trainer computes
+    those once it knows which groups it keeps).
 
     Args:
         generator: a generation engine (``grpo_fast.trainer.generators``).
         rows: dataset rows, each with a "prompt" str and optional answer/test columns.
         keys: [len(rows)] int, the rows' positions in the run's data order.
         reward_funcs: ``f(prompts, completions, **columns) -> list[float | None]``.
-        policy: the causal LM being trained (for old log-probs and a LoRA reference).
-        reference: a frozen model for the KL term (the policy itself for peft: adapters
-            are disabled), or None for no reference log-probs.
-        need_old_logprobs: compute the sampling policy's log-probs (needed when the batch
-            is optimised more than once, num_iterations > 1).
     """
     prompts = [row["prompt"] for row in rows for _ in range(group_size)]
     columns = {key: [row[key] for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
     out = generator.generate([row["prompt"] for row in rows], group_size, keys)
-    rewards = score(reward_funcs, prompts, out.completions, columns)
-    C = out.completion_mask.shape[1]
-    logprob_args = dict(temperature=temperature, micro_batch_size=micro_batch_size, bf16=bf16)
-    ids, mask = out.input_ids, out.attention_mask
-    old = completion_logprobs(policy, ids, mask, C, **logprob_args) if need_old_logprobs else None
-    ref = None
-    if reference is not None:
-        with reference_context(policy, reference):
-            ref = completion_logprobs(reference, ids, mask, C, **logprob_args)
     return Rollout(
         prompts=prompts,
         completions=out.completions,
         columns=columns,
-        input_ids=ids,
-        attention_mask=mask,
+        input_ids=out.input_ids,
+        attention_mask=out.attention_mask,
         completion_mask=out.completion_mask,
-        rewards=rewards,
-        old_logprobs=old,
-        ref_logprobs=ref,
+        rewards=score(reward_funcs, prompts, out.completions, columns),
     )

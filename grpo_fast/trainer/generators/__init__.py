@@ -7,6 +7,7 @@ engine is one module in this folder and one row of :data:`ENGINES`; ``--generato
 picks it.
 """
 
+import contextlib
 import importlib
 from typing import NamedTuple, Protocol
 
@@ -15,6 +16,7 @@ import torch
 # name -> "module:Class", imported only when picked (an engine may need an optional package).
 ENGINES = {
     "hf": "grpo_fast.trainer.generators.hf:HFGenerator",
+    "sampler": "grpo_fast.trainer.generators.sampler:Sampler",
 }
 
 
@@ -48,6 +50,57 @@ def make_generator(name: str, model, tokenizer, config, *, bf16: bool = False) -
         raise ValueError(f"generator must be one of {tuple(ENGINES)}, got {name!r}")
     module, cls = ENGINES[name].split(":")
     return getattr(importlib.import_module(module), cls)(model, tokenizer, config, bf16=bf16)
+
+
+@contextlib.contextmanager
+def left_padded(tokenizer):
+    """The tokenizer pads and truncates on the left inside the block, and is as it was after."""
+    saved = tokenizer.padding_side, tokenizer.truncation_side
+    tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
+    try:
+        yield tokenizer
+    finally:
+        tokenizer.padding_side, tokenizer.truncation_side = saved
+
+
+def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, pad_to_multiple_of: int | None = None):
+    """``(input_ids, attention_mask)`` [num_prompts, P] long: each prompt tokenized once, without
+    special tokens, left-padded (and, beyond ``max_prompt_length``, left-truncated)."""
+    with left_padded(tokenizer):
+        enc = tokenizer(
+            prompts,
+            return_tensors="pt",
+            padding=True,
+            truncation=max_prompt_length is not None,
+            max_length=max_prompt_length,
+            pad_to_multiple_of=pad_to_multiple_of,
+            add_special_tokens=False,
+        )
+    return enc["input_ids"], enc["attention_mask"]
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """``model`` in eval mode inside the block (no dropout while sampling), as it was after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def assemble(tokenizer, prompt_ids, prompt_mask, completion_ids, logprobs=None) -> Generation:
+    """The :class:`Generation` of left-padded prompts [N, P] and sampled completions [N, C]:
+    padding after each first EOS, masks, decoded text; ``logprobs`` [N, C] zeroed after EOS."""
+    completion_ids, completion_mask = completion_masks(completion_ids, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return Generation(
+        input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+        attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
+        completion_mask=completion_mask.float(),
+        completions=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+        logprobs=None if logprobs is None else logprobs * completion_mask,
+    )
 
 
 def completion_masks(completion_ids: torch.Tensor, eos_token_id: int, pad_token_id: int):

@@ -1,0 +1,144 @@
+"""Our own sampler: KV-cached decoding on any Hugging Face causal LM, built for GRPO's groups.
+
+    prefill   the distinct prompts once, left-padded [num_prompts, P]; the last position's
+              logits and the KV cache are then repeated G times (the group shares its prefix)
+    decode    one token per live row per step: sample, record its log-prob; rows that sampled
+              EOS leave the batch (their cache rows are dropped), so they cost nothing more
+
+Sampling (``sampling.py``): temperature, top-k, top-p, by inverse CDF with a counter-based
+uniform per (seed, key, sample, position), so a completion depends on its identity and the
+weights only, never on what else is in the batch or on which rank it runs. The returned
+log-probs are those of the temperature-scaled distribution at the sampled tokens.
+
+With ``compile_generation`` (CUDA only) the decode step runs on a static cache of fixed
+shape (the prompt width rounded up to a multiple of ``STATIC_PROMPT_MULTIPLE``) compiled by
+``torch.compile(mode="reduce-overhead")``, which replays it as a CUDA graph; finished rows
+then stay in the batch (a graph has fixed shapes) and the loop stops when all are done.
+"""
+
+import inspect
+
+import torch
+
+from grpo_fast.trainer.generators import Generation, assemble, encode_prompts, evaluating
+from grpo_fast.trainer.generators.sampling import sample_streams, sample_tokens, stream_uniforms
+from grpo_fast.trainer.rollout import autocast
+
+# Prompt widths of a static cache are rounded up to a multiple of this, so that batches of
+# slightly different prompt lengths reuse one compiled graph.
+STATIC_PROMPT_MULTIPLE = 64
+
+
+def _cache_argument(model) -> str:
+    """The name under which the model's forward takes a KV cache: ``cache`` (transformers >= 5.2x)
+    or ``past_key_values`` (earlier)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft forwards **kwargs
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+class Sampler:
+    """KV-cached sampling with a shared prefill per group and EOS rows dropped from the batch.
+
+    Args:
+        model, tokenizer: the policy and its tokenizer (a pad token is required).
+        config: the run's :class:`~grpo_fast.trainer.GRPOConfig`: seed, temperature, top_k,
+            top_p, max_new_tokens, max_prompt_length, compile_generation.
+        bf16: decode under bf16 autocast (CUDA).
+        static_cache: decode on a preallocated ``StaticCache`` with a fixed batch (what CUDA
+            graphs need); default: ``config.compile_generation``. Runs eagerly on any device.
+    """
+
+    def __init__(self, model, tokenizer, config, *, bf16: bool = False, static_cache: bool | None = None):
+        self.model, self.tokenizer, self.config, self.bf16 = model, tokenizer, config, bf16
+        self.device = next(model.parameters()).device
+        if config.compile_generation and self.device.type != "cuda":
+            raise ValueError(
+                f"compile_generation needs a CUDA device (a static cache replayed as a CUDA graph); "
+                f"the policy is on {self.device.type}"
+            )
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
+        self.static_cache = config.compile_generation if static_cache is None else static_cache
+        self.cache_argument = _cache_argument(model)
+        self._compiled = None
+
+    def _forward(self, **inputs):
+        """The model's forward; with compile_generation, the compiled one for single-token steps."""
+        if self.config.compile_generation and inputs["input_ids"].shape[1] == 1:
+            if self._compiled is None:
+                self._compiled = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
+            return self._compiled(**inputs)
+        return self.model(**inputs)
+
+    def _new_cache(self, max_length: int):
+        from transformers import DynamicCache, StaticCache
+
+        if self.static_cache:
+            return StaticCache(config=self.model.config, max_cache_len=max_length)
+        return DynamicCache(config=self.model.config)
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, group_size: int, max_length: int):
+        """Runs the distinct prompts [num_prompts, P] once; returns the last position's logits
+        and a cache for the num_prompts * G rows, each prompt's repeated G times."""
+        from transformers import DynamicCache
+
+        prefix = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                         use_cache=True, logits_to_keep=1, **{self.cache_argument: prefix})  # fmt: skip
+        logits = out.logits[:, -1].repeat_interleave(group_size, dim=0)  # [N, V]
+        if not self.static_cache:
+            prefix.batch_repeat_interleave(group_size)
+            return logits, prefix
+        cache = self._new_cache(max_length)
+        for layer, shared in zip(cache.layers, prefix.layers):
+            layer.update(shared.keys.repeat_interleave(group_size, dim=0),
+                         shared.values.repeat_interleave(group_size, dim=0))  # fmt: skip
+        return logits, cache
+
+    @torch.no_grad()
+    def generate(self, prompts: list, group_size: int, keys: list) -> Generation:
+        """``group_size`` completions of each prompt; sample g of prompt i is a function of
+        (config.seed, keys[i], g) and the weights alone. Returns the rollout layout of
+        :class:`Generation`, with the sampler's log-probs."""
+        config, device = self.config, self.device
+        if len(keys) != len(prompts):
+            raise ValueError(f"keys must give one key per prompt ({len(prompts)}), got {len(keys)}")
+        G, T = group_size, config.max_new_tokens
+        multiple = STATIC_PROMPT_MULTIPLE if self.static_cache else None
+        prompt_ids, prompt_mask = (x.to(device) for x in encode_prompts(self.tokenizer, prompts,
+                                                                        config.max_prompt_length, multiple))
+        N, P = len(prompts) * G, prompt_ids.shape[1]
+        eos = self.tokenizer.eos_token_id
+        key_tensor = torch.as_tensor(keys, dtype=torch.long, device=device).repeat_interleave(G)
+        streams = sample_streams(config.seed, key_tensor, torch.arange(G, device=device).repeat(len(prompts)))
+        # Row r's token at step t sits at position prompt_len[r] + t, cache slot P + t.
+        positions = prompt_mask.sum(1).repeat_interleave(G)
+        mask = torch.cat([prompt_mask.repeat_interleave(G, dim=0), prompt_mask.new_ones(N, T)], dim=1)
+        tokens = torch.full((N, T), self.tokenizer.pad_token_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros(N, T, dtype=torch.float32, device=device)
+        rows = torch.arange(N, device=device)  # the output row of each batch row
+        live = torch.ones(N, dtype=torch.bool, device=device)
+        steps = 0
+        with evaluating(self.model), autocast(device, self.bf16):
+            logits, cache = self._prefill(prompt_ids, prompt_mask, G, P + T)
+            for t in range(T):
+                token, logp = sample_tokens(logits, stream_uniforms(streams, t), temperature=config.temperature,
+                                            top_k=config.top_k, top_p=config.top_p)  # fmt: skip
+                tokens[rows, t], logprobs[rows, t] = token, logp
+                steps = t + 1
+                live = live & (token != eos)
+                if t == T - 1 or not live.any():
+                    break
+                if not self.static_cache and not live.all():  # finished rows leave the batch
+                    keep = live.nonzero().squeeze(1)
+                    cache.batch_select_indices(keep)
+                    rows, streams, positions, mask, token, live = (
+                        x[keep] for x in (rows, streams, positions, mask, token, live)
+                    )
+                step_mask = mask if self.static_cache else mask[:, : P + t + 1]
+                out = self._forward(input_ids=token.unsqueeze(1), attention_mask=step_mask,
+                                    position_ids=(positions + t).unsqueeze(1), use_cache=True,
+                                    **{self.cache_argument: cache})  # fmt: skip
+                logits = out.logits[:, -1]
+        ids, prompt_mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
+        return assemble(self.tokenizer, ids, prompt_mask, tokens[:, :steps], logprobs[:, :steps])
