@@ -72,6 +72,16 @@ def worker(config: dict) -> dict:
     return {impl: quantiles(s) for impl, s in samples.items()}
 
 
+def installed_version(package: str):
+    """The installed version, or None (the ``trl`` column then uses baselines.py's rewrite of its path)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one repeat (smoke test)")
@@ -122,7 +132,7 @@ def main():
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"machine": dict(machine_info(), load_average=os.getloadavg()), "baseline": "plain",
-                       "results": results}, f, indent=1)  # fmt: skip
+                       "trl": installed_version("trl"), "results": results}, f, indent=1)  # fmt: skip
         print(f"wrote {args.json}")
 
 
