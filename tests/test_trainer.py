@@ -372,3 +372,38 @@ def test_a_generation_engine_is_one_registry_row(tmp_path, monkeypatch):
     assert isinstance(trainer.generator, ScriptedEngine) and trainer.generator.calls == [[0, 1, 2, 3]]
     assert batch.completions[:4] == ["0", "1", "2", "3"]
     assert trainer.train_step()["step"] == 1 and trainer.generator.calls[-1] == [4, 5, 6, 7]
+
+
+def test_dynamic_sampling_keeps_only_groups_with_a_signal(tmp_path, monkeypatch):
+    """--dynamic-sampling (DAPO): a group whose rewards are all equal never reaches the loss;
+    more prompts are sampled to refill the batch; rounds and dropped groups are logged."""
+
+    def odd_only_reward(prompts, completions, **columns):  # an even first digit: every sample scores 1
+        return [1.0 if int(p[0]) % 2 == 0 else float(len(c)) for p, c in zip(prompts, completions)]
+
+    config = small_config(tmp_path, dynamic_sampling=True, max_sampling_rounds=4, generator="sampler", beta=0.1)
+    trainer = GRPOTrainer(config, reward_funcs=[odd_only_reward])
+    seen, loss = [], trainer._loss
+
+    def spy(batch, packed, num_items):
+        seen.extend(batch.prompts[packed.rows])
+        return loss(batch, packed, num_items)
+
+    monkeypatch.setattr(trainer, "_loss", spy)
+    metrics = trainer.train_step()
+    assert metrics["groups_dropped"] >= 1 and metrics["sampling_rounds"] >= 2
+    assert trainer.data_position == 4 * metrics["sampling_rounds"]  # 4 new prompts a round
+    assert 0 < len(seen) <= 16 and len(seen) % 4 == 0
+    assert all(int(p[0]) % 2 == 1 for p in seen)
+    with_signal = 4 * metrics["sampling_rounds"] - metrics["groups_dropped"]
+    assert len(seen) // 4 == min(4, with_signal)  # the surplus of the last round is left out
+
+
+def test_dynamic_sampling_without_any_signal_makes_no_update(tmp_path):
+    trainer = GRPOTrainer(small_config(tmp_path, dynamic_sampling=True, max_sampling_rounds=2),
+                          reward_funcs=[lambda prompts, completions, **columns: [1.0] * len(prompts)])  # fmt: skip
+    before = trainer.trainable_state()
+    metrics = trainer.train_step()
+    assert metrics["groups_dropped"] == 8 and metrics["sampling_rounds"] == 2
+    assert metrics["loss"] is None and metrics["reward_mean"] is None and metrics["step"] == 1
+    assert all(torch.equal(before[name], p) for name, p in trainer.trainable_state().items())

@@ -307,10 +307,14 @@ class GRPOTrainer:
         total_tokens = tokens.sum().item()
         aggregation = self.loss_config.aggregation
         sums = dict.fromkeys(PASS_METRICS, 0.0)
+        # Metrics are means over active tokens, but with sequence-level ratios the clip flags are
+        # means over sequences: each micro-batch's value counts by its share of those.
+        by_rows = {key for key in PASS_METRICS if key.startswith("clip")}
+        by_rows = by_rows if self.loss_config.importance_sampling == "sequence" else set()
         for packed in self.micro_batches(batch):
             rows = packed.rows
             micro_tokens = tokens[rows].sum().item()
-            share = micro_tokens / max(total_tokens, 1.0)
+            token_share, row_share = micro_tokens / max(total_tokens, 1.0), (rows.stop - rows.start) / N
             weight = aggregation.micro_batch_weight(
                 rows.stop - rows.start, micro_tokens, N, total_tokens, self.loss_config, num_items.item()
             )
@@ -320,7 +324,7 @@ class GRPOTrainer:
                 logprobs.append(logp)
             sums["loss"] += out.loss.item() * weight
             for key in PASS_METRICS[1:]:
-                value = getattr(out, key)
+                value, share = getattr(out, key), row_share if key in by_rows else token_share
                 sums[key] = None if value is None or sums[key] is None else sums[key] + value.item() * share
         return sums
 

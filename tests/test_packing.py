@@ -1,0 +1,163 @@
+"""Padding-free training (grpo_fast/trainer/packing.py): packed and padded steps agree.
+
+The truth is the padded computation the trainer used before packing: the model on the
+left-padded [N, P + C] batch with its attention mask, logits at the completion positions,
+``grpo_loss`` on the [N, C] grid. In float64, for every loss type, with a frozen reference
+copy and with a LoRA policy (reference = adapters off), the packed step's loss, metrics and
+gradients equal it to rounding.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import rel_err
+
+from grpo_fast import grpo_loss
+from grpo_fast.spec import LOSS_TYPES
+from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+from grpo_fast.trainer.packing import micro_batches, pack, packed_logits, to_grid
+from grpo_fast.trainer.rollout import completion_logits, completion_logprobs, reference_context
+
+CASES = [dict(loss_type=name) for name in LOSS_TYPES] + [dict(loss_type="grpo", importance_sampling="sequence")]
+
+
+def case_id(case: dict) -> str:
+    return "-".join(str(v) for v in case.values())
+
+
+def float64_trainer(tmp_path, **overrides) -> GRPOTrainer:
+    """A trainer on a float64 copy of the demo model with grouped-query attention, completions
+    of 1 to 6 tokens, a KL term, and a token budget that cuts the batch into several packs."""
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=2, num_key_value_heads=2).double()
+    config = GRPOConfig(batch_size=16, group_size=4, max_new_tokens=6, beta=0.1, max_tokens_per_micro_batch=30,
+                        eps_high=5.0 if overrides.get("loss_type") == "cispo" else None, progress=False,
+                        output_dir=str(tmp_path), generator="sampler", **overrides)  # fmt: skip
+    return GRPOTrainer(config, model=model, tokenizer=tokenizer)
+
+
+def padded_step(trainer, batch, num_items):
+    """The padded truth: loss output and parameter gradients of one full-batch backward."""
+    C = batch.completion_mask.shape[1]
+    logits = completion_logits(trainer.policy, batch.input_ids, batch.attention_mask, C)
+    out = grpo_loss(logits, batch.input_ids[:, -C:], batch.advantages.advantages, batch.completion_mask,
+                    batch.old_logprobs, batch.ref_logprobs, num_items_in_batch=num_items, return_entropy=True,
+                    loss_config=trainer.loss_config)  # fmt: skip
+    out.loss.backward()
+    return out, gradients(trainer)
+
+
+def gradients(trainer) -> torch.Tensor:
+    grads = torch.cat([p.grad.flatten() for p in trainer.policy.parameters() if p.grad is not None])
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def off_policy_batch(trainer):
+    """A rollout with advantages, reference log-probs (packed, checked against padded ones) and
+    old log-probs 0.3-normal noise away from the policy's, so that ratios clip."""
+    batch = trainer.compute_advantages(trainer.make_rollout())
+    C = batch.completion_mask.shape[1]
+    m = batch.completion_mask.bool()
+    with reference_context(trainer.policy, trainer.reference):
+        ref = completion_logprobs(trainer.reference, batch.input_ids, batch.attention_mask, C)
+    assert batch.ref_logprobs.dtype == torch.float64 and rel_err(batch.ref_logprobs[m], ref[m]) < 1e-12
+    old = completion_logprobs(trainer.policy, batch.input_ids, batch.attention_mask, C)
+    noise = 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=old.dtype)
+    advantages = torch.randn(batch.completion_mask.shape[0], generator=torch.Generator().manual_seed(1))
+    return dataclasses.replace(batch, old_logprobs=(old + noise) * batch.completion_mask,
+                               advantages=batch.advantages._replace(advantages=advantages))  # fmt: skip
+
+
+def assert_packed_equals_padded(trainer):
+    batch = off_policy_batch(trainer)
+    num_items = batch.completion_mask.sum()
+    lengths = batch.completion_mask.sum(1)
+    assert lengths.min() < lengths.max() and len(trainer.micro_batches(batch)) > 2
+    sums = trainer.accumulate_gradients(batch, num_items)
+    packed_grads = gradients(trainer)
+    out, padded_grads = padded_step(trainer, batch, num_items)
+    assert padded_grads.norm() > 0
+    assert rel_err(packed_grads, padded_grads) < 1e-10
+    assert sums["loss"] == pytest.approx(out.loss.item(), rel=1e-10, abs=1e-12)
+    for key in ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region"):  # float32 metrics
+        assert sums[key] == pytest.approx(getattr(out, key).item(), rel=1e-6, abs=1e-9), key
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_packed_step_equals_padded_step(tmp_path, case):
+    """Frozen reference copy (moved off the policy so that the KL term is live); micro-batches
+    by a token budget; float64."""
+    trainer = float64_trainer(tmp_path, **case)
+    with torch.no_grad():
+        for p in trainer.reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3), dtype=p.dtype))
+    out = assert_packed_equals_padded(trainer)
+    assert out.kl > 0 and (out.clip_ratio_region > 0 or case["loss_type"] == "cispo")  # cispo caps at 5
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[-1]], ids=case_id)
+def test_packed_step_equals_padded_step_with_lora(tmp_path, case):
+    """A LoRA policy whose reference is itself with adapters off, adapters made non-zero."""
+    trainer = float64_trainer(tmp_path, lora_r=4, **case)
+    with torch.no_grad():
+        for name, p in trainer.policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3), dtype=p.dtype))
+    assert trainer.reference is trainer.policy
+    assert_packed_equals_padded(trainer)
+
+
+def test_fused_linear_packed_equals_padded(tmp_path):
+    trainer = float64_trainer(tmp_path, fused_linear=True)
+    assert_packed_equals_padded(trainer)
+
+
+def test_pack_layout():
+    """Left-padded prompts and right-padded completions become one row of real tokens, with
+    positions restarting per sequence and the completion tokens' grid places."""
+    pad = 0
+    input_ids = torch.tensor([[pad, 5, 6, 7, 8, pad], [9, 10, 11, 12, 13, 14], [pad, pad, 4, 3, pad, pad]])
+    attention = (input_ids != pad).long()
+    packed = pack(input_ids, attention, 3, slice(0, 3))
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 4, 3]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1]]
+    assert packed.cu_seqlens.tolist() == [0, 4, 10, 12] and packed.max_length == 6
+    assert packed.targets.tolist() == [[7, 8, 12, 13, 14, 3]]
+    assert packed.logit_index.tolist() == [1, 2, 6, 7, 8, 10]  # each target's predecessor
+    grid = to_grid(packed.targets, packed)
+    assert grid.tolist() == [[7, 8, 0], [12, 13, 14], [3, 0, 0]]
+    middle = pack(input_ids, attention, 3, slice(1, 2))
+    assert middle.input_ids.tolist() == [[9, 10, 11, 12, 13, 14]] and middle.grid_shape == (1, 3)
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        pack(torch.tensor([[pad, pad, 4]]), torch.tensor([[0, 0, 1]]), 1, slice(0, 1))
+
+
+def test_packed_logits_equal_each_sequence_alone():
+    """Attention stays within each packed sequence: the packed logits equal those of each
+    sequence run alone (grouped-query attention, sequences of different lengths)."""
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=4, num_key_value_heads=1).double()
+    input_ids = torch.randint(3, 15, (4, 9), generator=torch.Generator().manual_seed(0))
+    lengths = [9, 3, 6, 2]
+    attention = (torch.arange(9) >= 9 - torch.tensor(lengths).unsqueeze(1)).long()  # left-padded
+    packed = pack(input_ids, attention, 1, slice(0, 4))
+    logits = to_grid(packed_logits(model, packed), packed)  # [4, 1, V]: each sequence's last prediction
+    for b, n in enumerate(lengths):
+        with torch.no_grad():
+            alone = model(input_ids=input_ids[b : b + 1, 9 - n :]).logits[0, -2]
+        assert rel_err(logits[b, 0], alone) < 1e-12
+
+
+def test_micro_batches_follow_the_token_budget():
+    lengths = [5, 7, 3, 20, 2, 2, 9]
+    slices = micro_batches(lengths, 12, None)
+    assert [(s.start, s.stop) for s in slices] == [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7)]
+    for s in slices:  # within budget, or a single row longer than it
+        assert sum(lengths[s]) <= 12 or s.stop - s.start == 1
+    assert [(s.start, s.stop) for s in micro_batches(lengths, None, 3)] == [(0, 3), (3, 6), (6, 7)]
+    assert [(s.start, s.stop) for s in micro_batches(lengths, 12, 1)] == [(i, i + 1) for i in range(7)]
+    assert micro_batches(lengths, None, None) == [slice(0, 7)]
