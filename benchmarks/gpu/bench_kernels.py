@@ -237,7 +237,11 @@ def stage_check():
                 break
             report.add("checks", _guard(check_loss, B, T, V, name, options, dtype, layout))
     report.add("checks", _guard(check_group_advantages))
-    report.data["compiled_kernels"] = compiled_kernels()  # empty under the interpreter
+    try:
+        report.data["compiled_kernels"] = compiled_kernels()  # empty under the interpreter
+    except Exception as error:  # Triton's cache layout is internal: a change must not cost the checks
+        report.data["compiled_kernels"] = []
+        report.data["compiled_kernels_error"] = f"{type(error).__name__}: {error}"
     report.data["all_checks_ok"] = all(c["ok"] for c in report.data["checks"])
     report.save()
     failed = [c["check"] + " " + c.get("dtype", "") for c in report.data["checks"] if not c["ok"]]
