@@ -41,7 +41,7 @@ def setup():
     return tokenizer, folder, datasets.Dataset.from_list(build_dataset(num_rows=64, seed=0))
 
 
-def make_trainer(cls, setup, reward_funcs=arithmetic_reward, **options):
+def make_trainer(cls, setup, reward_funcs=arithmetic_reward, peft_config=None, **options):
     tokenizer, folder, dataset = setup
     options = {"per_device_train_batch_size": B, "num_generations": 4, **options}
     args = trl.GRPOConfig(
@@ -51,7 +51,7 @@ def make_trainer(cls, setup, reward_funcs=arithmetic_reward, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = cls(model=folder, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                      processing_class=tokenizer)
+                      processing_class=tokenizer, peft_config=peft_config)
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train() otherwise
     return trainer
 
@@ -85,7 +85,7 @@ def loss_and_grads(trainer, batch):
     trainer.model.zero_grad()
     loss = trainer.compute_loss(trainer.model, batch)
     loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+    return loss.detach(), {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
 
 
 def assert_same_step(stock, ours, batch):
@@ -133,6 +133,17 @@ def test_sequence_level_importance_ratio_and_tool_mask(setup):
     batch["tool_mask"] = torch.ones(B, T, dtype=torch.long)
     batch["tool_mask"][0, 1:3] = 0
     assert_same_step(stock, ours, batch)
+
+
+def test_lora_matches_trl(setup):
+    """A LoRA policy: the head is found under the adapter, the frozen LM head gets no gradient,
+    and the reference is the policy with its adapter disabled."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    stock = make_trainer(trl.GRPOTrainer, setup, peft_config=lora, beta=0.04)
+    ours = make_trainer(GRPOTrainer, setup, peft_config=lora, beta=0.04)
+    ours.model.load_state_dict(stock.model.state_dict())  # the adapters start random
+    assert_same_step(stock, ours, make_batch(stock, 0.04, seed=5))
 
 
 def test_eval_loss_matches_trl(setup):
