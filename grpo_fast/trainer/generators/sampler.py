@@ -129,9 +129,9 @@ class Sampler:
                 live = live & (token != eos)
                 if t == T - 1 or not live.any():
                     break
-                if not self.static_cache and not live.all():  # finished rows leave the batch
+                if not self.config.compile_generation and not live.all():  # finished rows leave the batch
                     keep = live.nonzero().squeeze(1)
-                    cache.batch_select_indices(keep)
+                    cache.reorder_cache(keep)
                     rows, streams, positions, mask, token, live = (
                         x[keep] for x in (rows, streams, positions, mask, token, live)
                     )
