@@ -8,7 +8,10 @@ sides), advantages of both signs, a left-padded prompt, right-padded and one emp
 completion.
 """
 
+import json
 import math
+import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -227,6 +230,50 @@ def test_three_train_steps_match_trl(setup, options):
         for key in ("loss", "reward", "entropy", "clip_ratio/region_mean", "kl", "completions/mean_length"):
             if key in log:
                 assert our_log[key] == pytest.approx(log[key], rel=1e-4, abs=1e-6), key
+
+
+# Two processes (torchrun, gloo): stock TRL then ours, the same seed, two steps each.
+TWO_PROCESSES = """
+import json, sys, tempfile, warnings
+import datasets, trl
+from grpo_fast.integrations.trl import GRPOTrainer
+from grpo_fast.tasks.arithmetic import arithmetic_reward, build_dataset, build_tokenizer
+warnings.simplefilter("ignore")
+runs = {}
+for name, cls in (("stock", trl.GRPOTrainer), ("ours", GRPOTrainer)):
+    args = trl.GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to="none", seed=7,
+                          per_device_train_batch_size=4, num_generations=4, max_completion_length=6, beta=0.04,
+                          max_steps=2, learning_rate=1e-2, save_strategy="no", disable_tqdm=True, logging_steps=1)
+    trainer = cls(model=sys.argv[1], reward_funcs=arithmetic_reward, args=args, processing_class=build_tokenizer(40),
+                  train_dataset=datasets.Dataset.from_list(build_dataset(num_rows=64, seed=0)))
+    trainer.train()
+    runs[name] = dict(processes=trainer.accelerator.num_processes, logs=trainer.state.log_history[:-1],
+                      params={n: p.detach().flatten().tolist() for n, p in trainer.model.named_parameters()},
+                      deferred=sorted(getattr(trainer, "_grpo_fast_warned", ())))
+if trainer.accelerator.is_main_process:
+    json.dump(runs, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.mark.slow
+def test_two_process_training_matches_trl(setup, tmp_path):
+    """TRL's accelerate multi-process training (two CPU processes, gloo), unchanged: the loss runs
+    through the DDP-wrapped model's forward, the metrics are gathered and reduced across ranks."""
+    script, result = tmp_path / "train.py", tmp_path / "runs.json"
+    script.write_text(TWO_PROCESSES)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+               setup[1], str(result)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(result.read_text())
+    stock, ours = runs["stock"], runs["ours"]
+    assert ours["processes"] == stock["processes"] == 2 and not ours["deferred"]
+    for name, values in stock["params"].items():
+        assert rel_err(torch.tensor(ours["params"][name]), torch.tensor(values)) < 1e-5, name
+    assert len(ours["logs"]) == len(stock["logs"]) == 2
+    for log, our_log in zip(stock["logs"], ours["logs"]):
+        for key in ("loss", "kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_min", "reward"):
+            assert our_log[key] == pytest.approx(log[key], rel=1e-4, abs=1e-6), key
 
 
 def scored_every_other(prompts, completions, **columns):
