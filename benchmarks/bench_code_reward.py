@@ -92,7 +92,8 @@ def _commit(tree: str | None) -> str | None:
     """The baseline's git commit (its path if it is no checkout)."""
     if tree is None:
         return None
-    found = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    found = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           check=False)
     return found.stdout.strip() if found.returncode == 0 else tree
 
 

@@ -32,8 +32,7 @@ from string import Template
 
 import pytest
 
-from grpo_fast.rewards import SandboxLimits, code_reward, extract_code, run_python
-from grpo_fast.rewards import _code_harness
+from grpo_fast.rewards import SandboxLimits, _code_harness, code_reward, extract_code, run_python
 
 LIMITS = SandboxLimits(wall_time_s=2.0, memory_bytes=256 << 20, max_processes=8, output_bytes=64 << 10)
 ROOT = os.geteuid() == 0
@@ -387,8 +386,8 @@ HOSTILE = {
         attempt(lambda: socket.create_connection(("127.0.0.1", $port), timeout=1))
         attempt(lambda: importlib.reload(importlib.import_module("_socket")).socket().connect(("127.0.0.1", $port)))
         attempt(raw)
-        attempt(lambda: subprocess.run([sys.executable, "-c", "import socket; socket.create_connection(('127.0.0.1', $port))"],
-                                       check=True, timeout=5, capture_output=True))
+        connect = "import socket; socket.create_connection(('127.0.0.1', $port))"
+        attempt(lambda: subprocess.run([sys.executable, "-c", connect], check=True, timeout=5, capture_output=True))
         attempt(lambda: subprocess.run(["/bin/bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/$port"], check=True, timeout=5,
                                        capture_output=True))
         attempt(lambda: socket.socket(socket.AF_UNIX).connect("\\0$abstract"))
@@ -470,8 +469,9 @@ HOSTILE = {
     "outside_writes": ("""
         import os
         for action in (lambda: open("$target/keep.txt", "w").write("pwned"), lambda: os.remove("$target/victim.txt"),
-                       lambda: open("$target/created.txt", "w").write("new"), lambda: os.chmod("$target/keep.txt", 0o777),
-                       lambda: open("/tmp/$marker", "w").write("x"), lambda: open("/var/tmp/$marker", "w").write("x"),
+                       lambda: open("$target/created.txt", "w").write("new"),
+                       lambda: os.chmod("$target/keep.txt", 0o777), lambda: open("/tmp/$marker", "w").write("x"),
+                       lambda: open("/var/tmp/$marker", "w").write("x"),
                        lambda: open("/dev/shm/$marker", "w").write("x")):
             try:
                 action()
@@ -529,9 +529,10 @@ def _unprivileged_python():
     """An interpreter uid 65534 may run, with this repository readable to it, or None."""
     for python in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
         try:
-            check = subprocess.run([python, "-I", "-c", "import sys, ctypes, json; assert sys.version_info >= (3, 10); "
-                                    f"open({os.path.join(REPO, 'grpo_fast', 'rewards', 'sandbox.py')!r}).close()"],
-                                   user=NOBODY, group=NOBODY, extra_groups=[], capture_output=True)
+            probe = ("import sys, ctypes, json; assert sys.version_info >= (3, 10); "
+                     f"open({os.path.join(REPO, 'grpo_fast', 'rewards', 'sandbox.py')!r}).close()")
+            check = subprocess.run([python, "-I", "-c", probe], user=NOBODY, group=NOBODY, extra_groups=[],
+                                   capture_output=True, check=False)
         except OSError:  # not even executable by that uid
             continue
         if check.returncode == 0:
@@ -576,7 +577,7 @@ class Battery:
         as_nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if mode.startswith("user") and ROOT else {}
         start = time.monotonic()
         done = subprocess.run([python, "-I", "-c", RUNNER], input=json.dumps(request), env=env, capture_output=True,
-                              text=True, cwd="/", **as_nobody)
+                              text=True, cwd="/", check=False, **as_nobody)
         assert done.returncode == 0, done.stderr
         reply = json.loads(done.stdout.splitlines()[-1])
         self.scores, self.received, self.isolation = reply["scores"], reply["received"], reply["isolation"]
@@ -586,8 +587,10 @@ class Battery:
         self.processes = processes_with(self.sleep) + processes_with(self.marker)
         self.leftovers = [os.path.join(d, n) for d in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(d)
                           for n in os.listdir(d) if self.marker in n]
-        self.target_files = {n: open(os.path.join(self.target, n)).read() for n in sorted(os.listdir(self.target))
-                             if n != "sock"}
+        self.target_files = {}
+        for name in sorted(set(os.listdir(self.target)) - {"sock"}):
+            with open(os.path.join(self.target, name)) as f:
+                self.target_files[name] = f.read()
         self.keep_mode = os.stat(os.path.join(self.target, "keep.txt")).st_mode & 0o777
 
     def _listen(self):

@@ -27,7 +27,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # The bootstrap is imported as a module (so its bytecode is cached) from this directory,
 # which is taken off sys.path again before any program runs: a program's `import code`
 # must find the standard library's module, not ours.
-_BOOT_COMMAND = f"import sys; sys.path.insert(0, {_HERE!r}); import _sandbox_boot; del sys.path[0]; _sandbox_boot.main()"
+_BOOT_COMMAND = (f"import sys; sys.path.insert(0, {_HERE!r}); import _sandbox_boot; del sys.path[0]; "
+                 "_sandbox_boot.main()")
 # A root caller runs each sandbox as uid UID_BASE + slot, the slot unique among this
 # process's concurrent runs: a uid that owns no file and no other process, so that
 # RLIMIT_NPROC counts only that sandbox's processes and it can signal no one. Separate
@@ -253,7 +254,7 @@ def _result(status_lines: bytes, boot_err: bytes, out_fd: int, err_fd: int, outp
     if started is None and error is None:
         error = "sandbox bootstrap failed: " + boot_err.decode(errors="replace")[-2000:]
     if final.get("judge_error"):
-        error = f"the tests failed outside the sandbox (a problem of the tests, not the program): {final['judge_error']}"
+        error = f"the tests failed outside the sandbox (the tests' fault, not the program's): {final['judge_error']}"
     isolation = (started or final).get("isolation", "none")
     if started is not None and isolation in ("landlock", "none") and not _warned_fallback.is_set():
         _warned_fallback.set()
