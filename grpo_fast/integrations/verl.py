@@ -123,8 +123,8 @@ def policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_
     loss, w, m = _loss(loss_config, logp, old_log_prob, advantages, response_mask, weights, rollout_is_weights)
     with torch.no_grad():
         below, above = loss_config.kind.clip_flags(w, advantages, loss_config)
-        unclipped_dual = clipped_term(w, logp, advantages, LossConfig(eps_low=low, eps_high=high))
-        dual = (unclipped_dual > -advantages * clip_c) & (advantages < 0)
+        before_dual = clipped_term(w, logp, advantages, LossConfig(eps_low=low, eps_high=high))
+        dual = (before_dual > -advantages * clip_c) & (advantages < 0)  # the dual clip binds
         metrics = _metrics(verl_F.masked_mean((below | above).to(m.dtype), m),
                            verl_F.masked_mean(old_log_prob - logp, m), verl_F.masked_mean(dual.to(m.dtype), m))
     return loss, metrics
