@@ -16,7 +16,8 @@ rewards, reference log-probs, the update and the per-step logging. Rounds altern
 TRL, ours, TRL, ...) so that load from other processes hits both alike; each round builds a
 fresh trainer, drops its first ``--warmup`` steps, and the per-step times of all rounds are
 pooled: median, 20% and 80% quantiles. tokens/s counts prompt + completion tokens of the
-batch (completion tokens up to EOS).
+batch (completion tokens up to EOS). "cpu ms" is the process's CPU time per step: with one
+thread it is what the step costs, whatever else loads the machine.
 
 TRL as it runs on a GPU: TRL 1.16's LM head (``trl/trainer/utils.py``) scores only the
 completion positions when ``_use_triton(device)`` says the device runs Triton (CUDA, XPU),
@@ -166,7 +167,7 @@ def realistic_workload(args) -> Workload:
                    "untied head, EOS after 1 in 48 tokens; prompts 20-200 tokens")  # fmt: skip
     return Workload("realistic", description, tokenizer, model_dir, babble_prompts(babble, tokenizer, 256),
                     babble_reward, batch_size=32, group_size=8, max_new_tokens=128, beta=0.04, learning_rate=1e-6,
-                    steps=6, warmup=1)  # fmt: skip
+                    steps=9, warmup=1)  # fmt: skip
 
 
 def babble_reward(prompts, completions, **columns):
@@ -214,18 +215,19 @@ def run_ours(work: Workload, args, steps: int) -> dict:
         return batch
 
     trainer.sample_groups = recorded
-    times, tokens, lengths = [], [], []
-    last = time.perf_counter()
+    times, cpu_times, tokens, lengths = [], [], [], []
+    last, last_cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):  # the body of GRPOTrainer.train, less its progress bar
         metrics = trainer.train_step()
         trainer.history.append(metrics)
         run_log.append_metrics(trainer.output_dir, metrics)
-        now = time.perf_counter()
+        now, now_cpu = time.perf_counter(), time.process_time()
         times.append(now - last)
-        last = now
+        cpu_times.append(now_cpu - last_cpu)
+        last, last_cpu = now, now_cpu
         tokens.append(metrics["tokens_per_s"] * metrics["step_time_s"])
         lengths.append(metrics["completion_len_mean"])
-    return dict(times=times, tokens=tokens, lengths=lengths, layouts=layouts)
+    return dict(times=times, cpu_times=cpu_times, tokens=tokens, lengths=lengths, layouts=layouts)
 
 
 @contextlib.contextmanager
@@ -253,14 +255,15 @@ def run_trl(work: Workload, args, steps: int) -> dict:
         """Time between the ends of consecutive steps: the data loader, the step and the logging."""
 
         def __init__(self):
-            self.times, self.last = [], None
+            self.times, self.cpu_times, self.last = [], [], None
 
         def on_train_begin(self, *unused, **kwargs):
-            self.last = time.perf_counter()
+            self.last = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *unused, **kwargs):
-            now = time.perf_counter()
-            self.times.append(now - self.last)
+            now = time.perf_counter(), time.process_time()
+            self.times.append(now[0] - self.last[0])
+            self.cpu_times.append(now[1] - self.last[1])
             self.last = now
 
     timer = StepTimer()
@@ -301,7 +304,8 @@ def run_trl(work: Workload, args, steps: int) -> dict:
     logs = [log for log in trainer.state.log_history if "num_tokens" in log]
     cumulative = [log["num_tokens"] for log in logs]
     tokens = [b - a for a, b in zip([0.0] + cumulative[:-1], cumulative)]
-    return dict(times=timer.times, tokens=tokens, lengths=[log.get("completions/mean_length") for log in logs])
+    return dict(times=timer.times, cpu_times=timer.cpu_times, tokens=tokens,
+                lengths=[log.get("completions/mean_length") for log in logs])  # fmt: skip
 
 
 def summarize(runs: list, warmup: int) -> dict:
@@ -309,6 +313,8 @@ def summarize(runs: list, warmup: int) -> dict:
     tokens = [t for run in runs for t in run["tokens"][warmup:]]
     stats = quantiles(times)
     stats["steps_per_s"] = 1.0 / stats["median_s"]
+    # CPU seconds of the process per step: with one thread, what the step costs whatever the load
+    stats["median_cpu_s"] = statistics.median(t for run in runs for t in run["cpu_times"][warmup:])
     stats["tokens_per_s"] = statistics.median(tokens) / stats["median_s"]
     lengths = [n for run in runs for n in run["lengths"][warmup:] if n is not None]
     stats["completion_len_mean"] = statistics.mean(lengths) if lengths else None
@@ -335,6 +341,7 @@ def bench(work: Workload, args) -> dict:
     results = {name: summarize(runs[name], warmup) for name in runners}
     if "trl" in results:
         results["speedup_steps_per_s"] = results["grpo_fast"]["steps_per_s"] / results["trl"]["steps_per_s"]
+        results["speedup_cpu_time"] = results["trl"]["median_cpu_s"] / results["grpo_fast"]["median_cpu_s"]
         # Round by round, so the spread that load from other processes causes is visible.
         results["speedup_per_round"] = [
             statistics.median(t["times"][warmup:]) / statistics.median(o["times"][warmup:])
@@ -398,19 +405,20 @@ def main():
             json.dump(report, f, indent=2)
 
         print(f"\n{name}: {work.description}")
-        print(f"{'trainer':<10} {'steps/s':>8} {'tokens/s':>9} {'median ms':>10} {'p20-p80 ms':>14} {'len':>6}")
+        print(f"{'trainer':<10} {'steps/s':>8} {'tokens/s':>9} {'median ms':>10} {'p20-p80 ms':>14} {'cpu ms':>9} {'len':>6}")
         for trainer in [k for k in results if isinstance(results[k], dict)]:
             r = results[trainer]
             spread = f"{r['p20_s'] * 1e3:.0f}-{r['p80_s'] * 1e3:.0f}"
             length = "-" if r["completion_len_mean"] is None else f"{r['completion_len_mean']:.1f}"
             print(f"{trainer:<10} {r['steps_per_s']:8.3f} {r['tokens_per_s']:9.0f} {r['median_s'] * 1e3:10.1f} "
-                  f"{spread:>14} {length:>6}")  # fmt: skip
+                  f"{spread:>14} {r['median_cpu_s'] * 1e3:9.1f} {length:>6}")  # fmt: skip
         ours = results["grpo_fast"]
         print(f"padding a padded batch would compute: {ours['padding_fraction_of_padded_batch']:.1%}; "
               f"prefill tokens saved: {ours['prefill_tokens_saved']:.1%}")
         if "speedup_steps_per_s" in results:
             rounds = ", ".join(f"{r:.2f}x" for r in results["speedup_per_round"])
-            print(f"grpo_fast / TRL steps/s: {results['speedup_steps_per_s']:.2f}x (rounds: {rounds})")
+            print(f"grpo_fast / TRL steps/s: {results['speedup_steps_per_s']:.2f}x (rounds: {rounds}); "
+                  f"CPU time per step: {results['speedup_cpu_time']:.2f}x")
         print(f"wrote {path}")
 
 

@@ -181,6 +181,6 @@ def test_compile_generation_needs_cuda_and_the_sampler(model, tokenizer):
     with pytest.raises(ValueError, match="compile_generation needs a CUDA device"):
         Sampler(model, tokenizer, GRPOConfig(generator="sampler", compile_generation=True))
     with pytest.raises(ValueError, match="compile_generation needs generator='sampler'"):
-        GRPOConfig.from_dict(dict(compile_generation=True))
+        GRPOConfig.from_dict(dict(compile_generation=True, generator="hf"))
     with pytest.raises(ValueError, match="keys must give one key per prompt"):
         sampler(model, tokenizer).generate(["1+1="], 2, [0, 1])

@@ -47,7 +47,7 @@ class GRPOConfig(LossConfig):
     max_new_tokens: int = option(4, "completion length limit (also dr_grpo's max_completion_length when unset)")
     top_p: float = option(1.0, "nucleus sampling threshold in (0, 1]")
     top_k: int = option(0, "sample among the k most likely tokens only; 0 = all")
-    generator: str = option("hf", f"generation engine: {', '.join(ENGINES)}")
+    generator: str = option("sampler", f"generation engine: {', '.join(ENGINES)}")
     compile_generation: bool = option(False, "sampler engine, CUDA: static KV cache, decode step compiled to a CUDA graph")
     dynamic_sampling: bool = option(False, "DAPO: drop groups whose rewards are all equal, sample more prompts to refill")
     max_sampling_rounds: int = option(3, "dynamic sampling: at most this many generation rounds per step")

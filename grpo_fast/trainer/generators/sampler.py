@@ -11,9 +11,10 @@ weights only, never on what else is in the batch or on which rank it runs. The r
 log-probs are those of the temperature-scaled distribution at the sampled tokens.
 
 With ``compile_generation`` (CUDA only) the decode step runs on a static cache of fixed
-shape (the prompt width rounded up to a multiple of ``STATIC_PROMPT_MULTIPLE``) compiled by
-``torch.compile(mode="reduce-overhead")``, which replays it as a CUDA graph; finished rows
-then stay in the batch (a graph has fixed shapes) and the loop stops when all are done.
+shape (the prompt width rounded up to a multiple of ``STATIC_PROMPT_MULTIPLE``), reused from
+call to call, compiled by ``torch.compile(mode="reduce-overhead")``, which replays it as a
+CUDA graph; finished rows then stay in the batch (a graph has fixed shapes) and the loop
+stops when all are done.
 """
 
 import inspect
@@ -24,8 +25,8 @@ from grpo_fast.trainer.generators import Generation, assemble, encode_prompts, e
 from grpo_fast.trainer.generators.sampling import sample_streams, sample_tokens, stream_uniforms
 from grpo_fast.trainer.rollout import autocast
 
-# Prompt widths of a static cache are rounded up to a multiple of this, so that batches of
-# slightly different prompt lengths reuse one compiled graph.
+# With compile_generation, prompt widths are rounded up to a multiple of this, so that
+# batches of slightly different prompt lengths reuse one cache and one compiled graph.
 STATIC_PROMPT_MULTIPLE = 64
 
 
@@ -44,8 +45,9 @@ class Sampler:
         config: the run's :class:`~grpo_fast.trainer.GRPOConfig`: seed, temperature, top_k,
             top_p, max_new_tokens, max_prompt_length, compile_generation.
         bf16: decode under bf16 autocast (CUDA).
-        static_cache: decode on a preallocated ``StaticCache`` with a fixed batch (what CUDA
-            graphs need); default: ``config.compile_generation``. Runs eagerly on any device.
+        static_cache: decode on a preallocated ``StaticCache`` (no per-step copy of the cache;
+            what CUDA graphs need); default: ``config.compile_generation``. Runs eagerly on
+            any device, where finished rows still leave the batch.
     """
 
     def __init__(self, model, tokenizer, config, *, bf16: bool = False, static_cache: bool | None = None):
@@ -60,7 +62,7 @@ class Sampler:
             raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
         self.static_cache = config.compile_generation if static_cache is None else static_cache
         self.cache_argument = _cache_argument(model)
-        self._compiled = None
+        self._compiled, self._cache, self._cache_shape = None, None, None
 
     def _forward(self, **inputs):
         """The model's forward; with compile_generation, the compiled one for single-token steps."""
@@ -70,12 +72,17 @@ class Sampler:
             return self._compiled(**inputs)
         return self.model(**inputs)
 
-    def _new_cache(self, max_length: int):
-        from transformers import DynamicCache, StaticCache
+    def _static_cache(self, rows: int, max_length: int):
+        """An empty StaticCache of ``rows`` x ``max_length``. With compile_generation the same one
+        is reset and reused while its shape holds: a CUDA graph replays on fixed addresses."""
+        from transformers import StaticCache
 
-        if self.static_cache:
-            return StaticCache(config=self.model.config, max_cache_len=max_length)
-        return DynamicCache(config=self.model.config)
+        if not self.config.compile_generation or self._cache_shape != (rows, max_length):
+            self._cache = StaticCache(config=self.model.config, max_cache_len=max_length)
+            self._cache_shape = (rows, max_length)
+            return self._cache
+        self._cache.reset()
+        return self._cache
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, group_size: int, max_length: int):
         """Runs the distinct prompts [num_prompts, P] once; returns the last position's logits
@@ -89,7 +96,7 @@ class Sampler:
         if not self.static_cache:
             prefix.batch_repeat_interleave(group_size)
             return logits, prefix
-        cache = self._new_cache(max_length)
+        cache = self._static_cache(logits.shape[0], max_length)
         for layer, shared in zip(cache.layers, prefix.layers):
             layer.update(shared.keys.repeat_interleave(group_size, dim=0),
                          shared.values.repeat_interleave(group_size, dim=0))  # fmt: skip
@@ -104,7 +111,7 @@ class Sampler:
         if len(keys) != len(prompts):
             raise ValueError(f"keys must give one key per prompt ({len(prompts)}), got {len(keys)}")
         G, T = group_size, config.max_new_tokens
-        multiple = STATIC_PROMPT_MULTIPLE if self.static_cache else None
+        multiple = STATIC_PROMPT_MULTIPLE if self.config.compile_generation else None
         prompt_ids, prompt_mask = (x.to(device) for x in encode_prompts(self.tokenizer, prompts,
                                                                         config.max_prompt_length, multiple))
         N, P = len(prompts) * G, prompt_ids.shape[1]

@@ -11,7 +11,8 @@ identity. It runs in int64 on values below 2^32; a 32-bit product is split into 
 halves so that nothing overflows (signed overflow is undefined behaviour in the kernels).
 
 One uniform per token suffices: the token is drawn by inverting the cumulative
-distribution of the (temperature-scaled, top-k / top-p filtered) probabilities, in float64:
+distribution of the (temperature-scaled, top-k / top-p filtered) probabilities, summed in
+float64:
 
     token = min { i : cdf[i] > u * cdf[V - 1] },    cdf = cumsum(p)
 
@@ -108,10 +109,11 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: 
         temperature-scaled distribution before filtering, the quantity the loss recomputes.
     """
     scaled = logits.float() / temperature
+    logprobs = scaled.log_softmax(-1)
     candidates, order = filter_logits(scaled, top_k=top_k, top_p=top_p)
-    cdf = candidates.softmax(-1, dtype=torch.float64).cumsum(-1)
+    probs = logprobs.exp() if candidates is scaled else candidates.softmax(-1)  # unfiltered: reuse
+    cdf = probs.cumsum(-1, dtype=torch.float64)
     target = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
     column = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
     tokens = column if order is None else order.gather(1, column)
-    logprobs = scaled.log_softmax(-1).gather(1, tokens)
-    return tokens.squeeze(1), logprobs.squeeze(1)
+    return tokens.squeeze(1), logprobs.gather(1, tokens).squeeze(1)
