@@ -2,14 +2,16 @@
 
 Both trainers load the same tiny Llama from one folder, get the same batch, and must agree on
 the loss (1e-5 relative), every parameter's gradient and every logged metric; then on the
-parameters and metrics after three ``train()`` steps from the same seed. The batch is built
-by hand so that every regime shows up: ratios off 1 (old log-probs perturbed, both clip
-sides), advantages of both signs, a left-padded prompt, right-padded and one empty
-completion.
+parameters and metrics after three ``train()`` steps from the same seed, in one process and in
+two (torchrun); with LoRA; and on the advantages of completions no reward function scored.
+The batch is built by hand so that every regime shows up: ratios off 1 (old log-probs
+perturbed, both clip sides), advantages of both signs, a left-padded prompt, right-padded and
+one empty completion.
 """
 
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -36,10 +38,10 @@ CUSTOM = dict(epsilon=0.15, epsilon_high=0.28, delta=1.5, use_bias_correction_kl
 
 
 @pytest.fixture(scope="module")
-def setup():
+def setup(tmp_path_factory):
     """(tokenizer, model folder, dataset): TRL builds its reference model from the policy's path."""
     tokenizer = build_tokenizer(vocab_size=40)
-    folder = tempfile.mkdtemp(prefix="grpo-fast-trl-")
+    folder = str(tmp_path_factory.mktemp("trl") / "model")
     build_model(tokenizer, seed=0).save_pretrained(folder)
     return tokenizer, folder, datasets.Dataset.from_list(build_dataset(num_rows=64, seed=0))
 
@@ -48,7 +50,7 @@ def make_trainer(cls, setup, reward_funcs=arithmetic_reward, peft_config=None, *
     tokenizer, folder, dataset = setup
     options = {"per_device_train_batch_size": B, "num_generations": 4, **options}
     args = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="grpo-fast-trl-run-"), use_cpu=True, bf16=False, report_to="none",
+        output_dir=tempfile.mkdtemp(dir=os.path.dirname(folder)), use_cpu=True, bf16=False, report_to="none",
         max_completion_length=T, save_strategy="no", disable_tqdm=True, logging_steps=1, **options,
     )  # fmt: skip
     with warnings.catch_warnings():
