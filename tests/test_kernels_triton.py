@@ -33,6 +33,18 @@ METRICS = ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "rati
 def _triton_small_blocks(monkeypatch):
     monkeypatch.setenv("GRPO_FAST_BACKEND", "triton")
     monkeypatch.setattr(triton_logprobs, "MAX_BLOCK_V", BLOCK)
+    monkeypatch.setattr(triton_logprobs, "MAX_STRIDED_BLOCK_V", BLOCK // 2)
+
+
+def test_transposed_logits_take_the_strided_block():
+    """Logits read along a non-unit vocabulary stride (a transposed view) take the smaller
+    block, and give the reference's loss and gradient."""
+    batch = make_batch(3, 4, 3 * BLOCK + 1, seed=11)
+    batch["logits"] = batch["logits"].transpose(0, 2).contiguous().transpose(0, 2)  # stride_v = B * T
+    assert batch["logits"].stride(2) == 12
+    assert triton_logprobs.block_size(3 * BLOCK + 1, None, 12) == BLOCK // 2
+    assert triton_logprobs.block_size(3 * BLOCK + 1, None, 1) == BLOCK
+    assert_matches_reference(batch, 1e-5, beta=0.04, return_entropy=True)
 
 
 def make_batch(B, T, V, *, dtype=torch.float32, strided=False, temperature=1.0, seed=0):

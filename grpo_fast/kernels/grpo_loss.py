@@ -211,9 +211,9 @@ def grpo_loss_fwd(
         return pieces
     pg_weight = batch.weights if batch.iw is None else batch.weights * batch.iw
     kl_weight = batch.weights * config.beta
-    block = block_size(V, block_v)
-    inf = float("inf")
     g = logits if grad is None else grad
+    block = block_size(V, block_v, max(logits.stride(2), g.stride(2)))
+    inf = float("inf")
     absent = batch.adv  # any valid pointer for an input the kernel does not read
     _grpo_loss_fwd_kernel[(min(N, programs or N),)](
         logits, *logits.stride(), g, *g.stride(), ids.reshape(-1).contiguous(), m, batch.adv,
@@ -232,7 +232,7 @@ def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, block_v: int | None = N
     B, T, V = grad.shape
     if B * T == 0:
         return grad
-    block = block_size(V, block_v)
+    block = block_size(V, block_v, grad.stride(2))
     _scale_grad_kernel[(B * T,)](
         grad, *grad.stride(), scale.reshape(1), T, V, BLOCK_V=block, num_warps=num_warps(block)
     )

@@ -15,16 +15,16 @@ Everything accumulates in float32 whatever the logits' dtype (float64 logits: in
 the dtype of the log-prob outputs); logits may have any strides.
 """
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
 from grpo_fast.spec import accumulate_dtype
 
-# Largest vocabulary block per loop step; tests lower it so that tiny vocabularies span blocks.
+# Largest vocabulary block per loop step (contiguous rows, and rows read along a non-unit
+# stride); tests lower them so that tiny vocabularies span blocks.
 MAX_BLOCK_V = 4096
+MAX_STRIDED_BLOCK_V = 1024
 
 
 @triton.jit
@@ -39,10 +39,14 @@ def _row_logsumexp(
 ):
     """Returns (lse, sum_v p_v x_v) of x = row * inv_tau; the second is 0 without RETURN_ENTROPY."""
     m = tl.full([], float("-inf"), ACC)
-    # Per-lane partial sums rescaled by the scalar running max: one exp per element and one
-    # reduction (the block max) per step; the lanes are summed once at the end.
-    s = tl.zeros([BLOCK_V], ACC)
-    sx = tl.zeros([BLOCK_V], ACC)
+    # Scalar running sums, rescaled by the running max: each block is reduced at once (its
+    # max, then its sums) instead of carrying per-lane partial sums
+    # across the loop. Two [BLOCK_V] carried vectors cost 16 registers each per thread at
+    # BLOCK_V 4096 / 8 warps: the loss kernel with entropy fell from 128 to 64 registers,
+    # i.e. from 2 to 4 resident CTAs and 16 to 33 KB of loads in flight per SM
+    # (benchmarks/NOTES.md, "Register pressure").
+    s = tl.full([], 0.0, ACC)
+    sx = tl.full([], 0.0, ACC)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
@@ -52,12 +56,12 @@ def _row_logsumexp(
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - shift)
         e = tl.exp(x - shift)
-        s = s * alpha + e
+        s = s * alpha + tl.sum(e, 0)
         if RETURN_ENTROPY:
-            sx = sx * alpha + e * tl.where(e > 0, x, 0.0)  # p = 0 at x = -inf: 0, not 0 * -inf
+            sx = sx * alpha + tl.sum(e * tl.where(e > 0, x, 0.0), 0)  # p = 0 at x = -inf: 0, not 0 * -inf
         m = m_new
-    total = tl.sum(s, 0)
-    return m + tl.log(total), tl.sum(sx, 0) / total
+    total = s
+    return m + tl.log(total), sx / total
 
 
 @triton.jit
@@ -150,13 +154,15 @@ def _logprobs_bwd_kernel(
     )  # fmt: skip
 
 
-def block_size(V: int, block_v: Optional[int] = None) -> int:
-    """The vocabulary block: ``block_v`` if given (a power of two), else up to MAX_BLOCK_V."""
+def block_size(V: int, block_v: int | None = None, stride_v: int = 1) -> int:
+    """The vocabulary block: ``block_v`` if given (a power of two), else up to MAX_BLOCK_V, or
+    up to MAX_STRIDED_BLOCK_V along a non-unit stride (every element its own load and 64-bit
+    address: 16 per thread took 110 registers, 8 per thread 48)."""
     if block_v is not None:
         if block_v < 1 or block_v & (block_v - 1):
             raise ValueError(f"block_v must be a power of two, got {block_v}")
         return block_v
-    return min(MAX_BLOCK_V, triton.next_power_of_2(V))
+    return min(MAX_BLOCK_V if stride_v == 1 else MAX_STRIDED_BLOCK_V, triton.next_power_of_2(V))
 
 
 def num_warps(block: int) -> int:
@@ -168,7 +174,7 @@ def logprobs_fwd(
     ids: torch.Tensor,
     temperature: float,
     return_entropy: bool,
-    block_v: Optional[int] = None,
+    block_v: int | None = None,
 ):
     """logits [B, T, V] (any strides), ids [B, T] -> logp, lse (of logits / temperature),
     entropy or None; each [B, T] float32 (float64 for float64 logits). Reads the logits once."""
@@ -178,7 +184,7 @@ def logprobs_fwd(
     entropy = torch.empty_like(logp) if return_entropy else None
     if B * T == 0:
         return logp, lse, entropy
-    block = block_size(V, block_v)
+    block = block_size(V, block_v, logits.stride(2))
     _logprobs_fwd_kernel[(B * T,)](
         logits, *logits.stride(), ids.reshape(-1).contiguous(), logp, lse,
         logp if entropy is None else entropy, T, V, 1.0 / temperature,
@@ -194,14 +200,14 @@ def logprobs_bwd(
     grad_logp: torch.Tensor,
     temperature: float,
     out: torch.Tensor,
-    block_v: Optional[int] = None,
+    block_v: int | None = None,
 ) -> torch.Tensor:
     """Writes dL/dlogits [B, T, V] into ``out`` (any strides; may be ``logits`` itself) from
     grad_logp [B, T] and the forward's lse [B, T]; rows with zero grad_logp are not read."""
     B, T, V = logits.shape
     if B * T == 0:
         return out
-    block = block_size(V, block_v)
+    block = block_size(V, block_v, max(logits.stride(2), out.stride(2)))
     _logprobs_bwd_kernel[(B * T,)](
         logits, *logits.stride(), out, *out.stride(), ids.reshape(-1).contiguous(),
         lse.reshape(-1).contiguous(), grad_logp.reshape(-1).to(lse.dtype).contiguous(), T, V, 1.0 / temperature,
