@@ -35,8 +35,8 @@ import time
 import numpy as np
 import torch
 
-from grpo_fast import fused_linear_grpo_loss, fused_linear_token_logprobs, group_advantages, token_logprobs
-from grpo_fast.ops._policy import PolicyBatch, policy_loss
+from grpo_fast import fused_linear_grpo_loss, fused_linear_token_logprobs, group_advantages, policy_loss
+from grpo_fast import token_logprobs
 from grpo_fast.outputs import GroupAdvantages
 from grpo_fast.tasks import DATASET_REWARDS, DEMO_REWARDS, get_reward_function, load_rows
 from grpo_fast.trainer import checkpoint as ckpt
@@ -262,7 +262,7 @@ class GRPOTrainer:
     def _loss(self, batch: Rollout, packed: Packed, num_items: torch.Tensor):
         """``(loss output, log-probs [n, C] detached)`` of one packed micro-batch of ``batch``.
 
-        The loss is the loss spec's on the rows' [n, C] completion grid (what ``grpo_loss``
+        The loss is ``policy_loss`` on the rows' [n, C] completion grid (what ``grpo_loss``
         computes on padded logits); only the per-token log-probs travel to the grid, the
         logits [1, Nc, V] stay packed.
         """
@@ -287,9 +287,8 @@ class GRPOTrainer:
             logits = packed_logits(self.policy, packed)  # [1, Nc, V]
         logp, entropy = token_logprobs(logits, packed.targets, temperature=config.temperature, return_entropy=True)
         logp, entropy = to_grid(logp, packed), to_grid(entropy, packed)
-        inputs = PolicyBatch.prepare(config, mask.shape, logp.dtype, logp.device, adv, mask, old, ref,
-                                     num_items_in_batch=num_items)  # fmt: skip
-        return policy_loss(logp, inputs, config, entropy), logp.detach()
+        out = policy_loss(logp, adv, mask, old, ref, num_items_in_batch=num_items, entropy=entropy, loss_config=config)
+        return out, logp.detach()
 
     def accumulate_gradients(self, batch: Rollout, num_items: torch.Tensor, logprobs: list | None = None) -> dict:
         """Backward over ``batch`` in packed micro-batches; the summed gradient is the full
