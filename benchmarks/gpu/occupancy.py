@@ -129,6 +129,9 @@ def scenarios():
         return run
 
     kl = dict(beta=0.04)
+    # Qwen's V = 151936 for the calls that matter most; V = 32768 where only the option or the
+    # layout varies: the same specialisation (BLOCK_V 4096, V % 16 == 0), a fifth of the interpreter's time.
+    small = dict(V=32768, **kl)
     cases = [
         ("loss bf16 slice, entropy (trainer)", loss(return_entropy=True, **kl)),
         ("loss bf16 slice", loss(**kl)),
@@ -137,24 +140,24 @@ def scenarios():
         ("loss fp32 slice, entropy", loss(dtype=torch.float32, return_entropy=True, **kl)),
         ("loss fp32 slice", loss(dtype=torch.float32, **kl)),
         ("loss bf16 V=32001 (odd)", loss(V=32001, return_entropy=True, **kl)),
-        ("loss bf16 transposed (stride_v != 1)", loss(layout="transposed", return_entropy=True, **kl)),
-        ("loss bf16 transposed, no entropy", loss(layout="transposed", **kl)),
-        ("loss bf16 transposed T=16 (stride_v % 16 == 0)", loss(V=32768, T=16, layout="transposed", return_entropy=True, **kl)),
-        ("loss fp32 transposed, entropy", loss(dtype=torch.float32, layout="transposed", return_entropy=True, **kl)),
-        ("loss bf16 contiguous, on-policy, beta 0", loss(layout="contiguous", on_policy=True)),
+        ("loss bf16 transposed (stride_v != 1)", loss(layout="transposed", return_entropy=True, **small)),
+        ("loss bf16 transposed, no entropy", loss(layout="transposed", **small)),
+        ("loss bf16 transposed T=16 (stride_v % 16 == 0)", loss(T=16, layout="transposed", return_entropy=True, **small)),
+        ("loss fp32 transposed, entropy", loss(dtype=torch.float32, layout="transposed", return_entropy=True, **small)),
+        ("loss bf16 contiguous, on-policy, beta 0", loss(V=32768, layout="contiguous", on_policy=True)),
         ("loss gspo (sequence)", loss(importance_sampling="sequence", return_entropy=True, **kl)),
-        ("loss gspo fp32 transposed", loss(dtype=torch.float32, layout="transposed", importance_sampling="sequence")),
+        ("loss gspo fp32 transposed", loss(dtype=torch.float32, layout="transposed", importance_sampling="sequence", V=32768)),
     ]  # fmt: skip
     extra = dict(dr_grpo=dict(max_completion_length=8), cispo=dict(eps_high=5.0))
     for loss_type in ("bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"):
-        cases.append((f"loss {loss_type}", loss(loss_type=loss_type, **extra.get(loss_type, {}), **kl)))
-    cases += [(f"loss kl {k}", loss(kl_estimator=k, **kl)) for k in ("k1", "k2")]
+        cases.append((f"loss {loss_type}", loss(loss_type=loss_type, **extra.get(loss_type, {}), **small)))
+    cases += [(f"loss kl {k}", loss(kl_estimator=k, **small)) for k in ("k1", "k2")]
     cases += [
         ("logprobs bf16 no grad, entropy (reference model)", logprobs(grad=False, entropy=True)),
         ("logprobs bf16 no grad", logprobs(grad=False)),
         ("logprobs bf16 fwd+bwd", logprobs()),
         ("logprobs fp32 fwd+bwd, entropy", logprobs(dtype=torch.float32, entropy=True)),
-        ("logprobs bf16 transposed fwd+bwd", logprobs(layout="transposed")),
+        ("logprobs bf16 transposed fwd+bwd", logprobs(V=32768, layout="transposed")),
         ("logprobs bf16 V=32001 fwd+bwd", logprobs(V=32001)),
         ("fused linear bf16 token", fused_linear(**kl)),
         ("fused linear bf16 sequence", fused_linear(importance_sampling="sequence", **kl)),
