@@ -14,7 +14,7 @@ the aggregation, the clip metrics) is read from the loss spec, ``grpo_fast/spec.
 import torch
 
 from grpo_fast.outputs import GroupAdvantages, LossOutput
-from grpo_fast.spec import IMPORTANCE_LEVELS, LossConfig, accumulate_dtype, loss_metrics, per_token_loss
+from grpo_fast.spec import IMPORTANCE_LEVELS, LossConfig, accumulate_dtype, loss_metrics, per_token_loss, without_padding
 
 
 def nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:
@@ -92,12 +92,14 @@ def policy_loss(
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(1) if adv.dim() == 1 else adv  # [B, 1] or [B, T]
     old = logp.detach() if old_logprobs is None else old_logprobs.to(logp.dtype)
-
-    w = torch.exp(IMPORTANCE_LEVELS[c.importance_sampling](logp - old, m))  # [B, T], or [B, 1] for GSPO
     iw = None if importance_weights is None else importance_weights.to(logp.dtype)
     iw = iw.unsqueeze(1) if iw is not None and iw.dim() == 1 else iw
     ref = None if ref_logprobs is None else ref_logprobs.to(logp.dtype)
-    per_token, kl = per_token_loss(w, logp, adv, ref, iw, c)
+    # padded positions count for nothing, whatever they hold
+    logp_, old, ref, adv, iw = without_padding(m, logp, old, ref, adv, iw)
+
+    w = torch.exp(IMPORTANCE_LEVELS[c.importance_sampling](logp_ - old, m))  # [B, T], or [B, 1] for GSPO
+    per_token, kl = per_token_loss(w, logp_, adv, ref, iw, c)
     loss = (per_token.expand(B, T) * c.aggregation.token_weights(m, c, num_items_in_batch)).sum()
     return LossOutput(loss=loss, **loss_metrics(w, adv, kl, entropy, m, c))
 

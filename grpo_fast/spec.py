@@ -212,6 +212,14 @@ def loss_metrics(w, adv, kl, entropy, m, c: "LossConfig") -> dict:
     )
 
 
+def without_padding(m: torch.Tensor, *tensors):
+    """The tensors shaped like the mask m with 0 where m is 0 (others, and None, unchanged), so
+    that whatever a padded position holds (an overflowing reference log-prob, an infinite
+    log-prob, NaN) reaches neither the loss nor its gradient: its weight is 0, and 0 * inf
+    would be NaN."""
+    return tuple(x.masked_fill(m == 0, 0.0) if x is not None and x.shape == m.shape else x for x in tensors)
+
+
 # How the per-token log-ratio [B, T] becomes the log of the importance ratio w.
 IMPORTANCE_LEVELS = {
     "token": lambda log_ratio, m: log_ratio,

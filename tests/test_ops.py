@@ -390,3 +390,22 @@ def test_policy_loss_bad_input():
         grpo_fast.policy_loss(torch.zeros(2, 3), torch.zeros(3))
     with pytest.raises(ValueError, match=r"entropy must have shape \[B, T\]"):
         grpo_fast.policy_loss(torch.zeros(2, 3), torch.zeros(2), entropy=torch.zeros(3))
+
+
+def test_padding_holds_anything(backend):
+    """What padded positions hold (an overflowing reference log-prob, -inf and NaN old
+    log-probs and advantages) reaches neither the loss, the metrics nor the gradient."""
+    case = make_case(regime="clipped", seq_adv=False, seed=14)
+    want = check_against_reference(case, 1e-5, beta=0.04, return_entropy=True)
+    pad = case["mask"] == 0
+    assert pad.any()
+    for key, value in (("ref_logprobs", 100.0), ("old_logprobs", -math.inf), ("advantages", math.nan)):
+        case[key] = case[key].masked_fill(pad, value)
+    out = check_against_reference(case, 1e-5, beta=0.04, return_entropy=True)
+    assert out.loss.item() == pytest.approx(want.loss.item(), rel=1e-6)
+    hidden = torch.randn(*case["ids"].shape, 8, requires_grad=True)
+    weight = torch.randn(case["logits"].shape[-1], 8, requires_grad=True)
+    args = (case["ids"], case["advantages"], case["mask"], case["old_logprobs"], case["ref_logprobs"])
+    fused = grpo_fast.fused_linear_grpo_loss(hidden, weight, *args, beta=0.04, importance_sampling="sequence")
+    fused.loss.backward()
+    assert torch.isfinite(fused.loss) and torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()

@@ -14,13 +14,14 @@ from typing import NamedTuple
 import torch
 
 from grpo_fast.outputs import LossOutput
-from grpo_fast.spec import IMPORTANCE_LEVELS, LossConfig, loss_metrics, per_token_loss
+from grpo_fast.spec import IMPORTANCE_LEVELS, LossConfig, loss_metrics, per_token_loss, without_padding
 
 
 class PolicyBatch(NamedTuple):
     """A batch's per-token inputs in one float dtype: mask and weights [B, T]; adv and iw
     [B, 1] or [B, T]; old and ref [B, T]; iw, old and ref None when absent. weights is
-    dL/dper_token, the loss type's aggregation (0 on padding)."""
+    dL/dper_token, the loss type's aggregation (0 on padding); the per-token inputs are 0 on
+    padding."""
 
     mask: torch.Tensor
     weights: torch.Tensor
@@ -42,8 +43,8 @@ class PolicyBatch(NamedTuple):
 
         m = torch.ones(shape, dtype=dtype, device=device) if mask is None else convert(mask)
         weights = config.aggregation.token_weights(m, config, num_items_in_batch)
-        return cls(m, weights, convert(advantages), convert(importance_weights), convert(old_logprobs),
-                   convert(ref_logprobs))
+        inputs = without_padding(m, *map(convert, (advantages, importance_weights, old_logprobs, ref_logprobs)))
+        return cls(m, weights, *inputs)
 
     def flat(self) -> "PolicyBatch":
         """Every tensor as a contiguous [B * T] array (the Triton kernel's layout)."""
@@ -60,6 +61,7 @@ def loss_terms(logp: torch.Tensor, batch: PolicyBatch, config: LossConfig):
     """``(weight * (pg * iw + beta * kl), kl, w)`` per token (kl None without reference
     log-probs; w [B, 1] for sequence-level ratios). Token-level ratios work on any shape,
     flat rows included."""
+    (logp,) = without_padding(batch.mask, logp)
     old = logp.detach() if batch.old is None else batch.old
     w = torch.exp(IMPORTANCE_LEVELS[config.importance_sampling](logp - old, batch.mask))
     per_token, kl = per_token_loss(w, logp, batch.adv, batch.ref, batch.iw, config)
