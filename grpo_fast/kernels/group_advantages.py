@@ -61,26 +61,25 @@ def _group_advantages_kernel(
 ):
     batch_std = 0.0
     if SCALE == 1:
-        total = tl.zeros([BLOCK_GROUPS, BLOCK_G], tl.float32)
-        count = tl.zeros([BLOCK_GROUPS, BLOCK_G], tl.float32)
+        # Scalar running sums, each tile reduced at once: tile-shaped accumulators carried
+        # across the loop spilled at BLOCK_GROUPS 64 x BLOCK_G 16 (sm_80).
+        total = 0.0
+        n_batch = 0.0
         for g0 in range(0, num_groups, BLOCK_GROUPS):
             c, sample, valid, scored = _combined_tile(
                 rewards_ptr, weights_ptr, g0, num_groups, G, K, BLOCK_GROUPS, BLOCK_G
             )
-            total += tl.where(scored, c, 0.0)
-            count += tl.where(scored, 1.0, 0.0)
-        n_batch = tl.sum(tl.sum(count, 1), 0)
-        batch_mean = tl.sum(tl.sum(total, 1), 0) / tl.maximum(n_batch, 1.0)
-        m2 = tl.zeros([BLOCK_GROUPS, BLOCK_G], tl.float32)
+            total += tl.sum(tl.sum(tl.where(scored, c, 0.0), 1), 0)
+            n_batch += tl.sum(tl.sum(tl.where(scored, 1.0, 0.0), 1), 0)
+        batch_mean = total / tl.maximum(n_batch, 1.0)
+        m2 = 0.0
         for g0 in range(0, num_groups, BLOCK_GROUPS):
             c, sample, valid, scored = _combined_tile(
                 rewards_ptr, weights_ptr, g0, num_groups, G, K, BLOCK_GROUPS, BLOCK_G
             )
             diff = tl.where(scored, c - batch_mean, 0.0)
-            m2 += diff * diff
-        batch_std = tl.where(
-            n_batch > 1, tl.sqrt(tl.sum(tl.sum(m2, 1), 0) / tl.maximum(n_batch - 1, 1.0)), float("nan")
-        )
+            m2 += tl.sum(tl.sum(diff * diff, 1), 0)
+        batch_std = tl.where(n_batch > 1, tl.sqrt(m2 / tl.maximum(n_batch - 1, 1.0)), float("nan"))
     zero_std = tl.zeros([BLOCK_GROUPS], tl.float32)
     for g0 in range(0, num_groups, BLOCK_GROUPS):
         c, sample, valid, scored = _combined_tile(rewards_ptr, weights_ptr, g0, num_groups, G, K, BLOCK_GROUPS, BLOCK_G)
