@@ -90,10 +90,12 @@ class Babble:
 
     def __init__(self, seed: int, words: int = 60000):
         self.rng = random.Random(seed)
-        syllable = lambda: self.rng.choice(self.ONSETS) + self.rng.choice(self.VOWELS) + self.rng.choice(self.CODAS)
-        self.lexicon = ["".join(syllable() for _ in range(self.rng.choice((1, 1, 2, 2, 2, 3, 3, 4))))
+        self.lexicon = ["".join(self._syllable() for _ in range(self.rng.choice((1, 1, 2, 2, 2, 3, 3, 4))))
                         for _ in range(words)]  # fmt: skip
         self.cumulative = list(itertools.accumulate(1 / (i + 1) for i in range(words)))
+
+    def _syllable(self) -> str:
+        return self.rng.choice(self.ONSETS) + self.rng.choice(self.VOWELS) + self.rng.choice(self.CODAS)
 
     def sentence(self) -> str:
         words = self.rng.choices(self.lexicon, cum_weights=self.cumulative, k=self.rng.randint(4, 18))
@@ -112,7 +114,8 @@ def bpe_tokenizer(babble: Babble, vocab_size: int = 32000):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<bos>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # fmt: skip
     tokenizer.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
                                    eos_token="<eos>", padding_side="left")  # fmt: skip
@@ -353,7 +356,8 @@ def bench(work: Workload, args) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
-    parser.add_argument("--steps", type=int, default=None, help="steps per round, warm-up included (default: per workload)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per round, warm-up included (default: per workload)")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=None, help="steps dropped per round (default: per workload)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--generator", default=GRPOConfig.generator, help="grpo_fast's generation engine")
@@ -405,7 +409,8 @@ def main():
             json.dump(report, f, indent=2)
 
         print(f"\n{name}: {work.description}")
-        print(f"{'trainer':<10} {'steps/s':>8} {'tokens/s':>9} {'median ms':>10} {'p20-p80 ms':>14} {'cpu ms':>9} {'len':>6}")
+        columns = ("steps/s", 8), ("tokens/s", 9), ("median ms", 10), ("p20-p80 ms", 14), ("cpu ms", 9), ("len", 6)
+        print(f"{'trainer':<10} " + " ".join(f"{name:>{width}}" for name, width in columns))
         for trainer in [k for k in results if isinstance(results[k], dict)]:
             r = results[trainer]
             spread = f"{r['p20_s'] * 1e3:.0f}-{r['p80_s'] * 1e3:.0f}"

@@ -83,8 +83,8 @@ def micro_batches(lengths: list, max_tokens: int | None, max_rows: int | None) -
     ``max_rows`` rows; None = no limit. ``lengths`` [N] are the rows' token counts."""
     slices, start, tokens = [], 0, 0
     for i, length in enumerate(lengths):
-        full = (max_tokens is not None and tokens + length > max_tokens) or (max_rows is not None and i - start == max_rows)
-        if full and i > start:
+        over_budget = max_tokens is not None and tokens + length > max_tokens
+        if (over_budget or (max_rows is not None and i - start == max_rows)) and i > start:
             slices.append(slice(start, i))
             start, tokens = i, 0
         tokens += length
