@@ -177,10 +177,14 @@ def test_first_token_distribution_is_the_models(model, tokenizer, options):
     assert ((counts[kept] - wrong) ** 2 / wrong).sum().item() > chi_square_bound(int(kept.sum()) - 1)
 
 
-def test_compile_generation_needs_cuda_and_the_sampler(model, tokenizer):
+def test_bad_settings_are_value_errors(model, tokenizer):
     with pytest.raises(ValueError, match="compile_generation needs a CUDA device"):
         Sampler(model, tokenizer, GRPOConfig(generator="sampler", compile_generation=True))
     with pytest.raises(ValueError, match="compile_generation needs generator='sampler'"):
         GRPOConfig.from_dict(dict(compile_generation=True, generator="hf"))
     with pytest.raises(ValueError, match="keys must give one key per prompt"):
         sampler(model, tokenizer).generate(["1+1="], 2, [0, 1])
+    unpadded = copy.deepcopy(tokenizer)
+    unpadded.pad_token = None
+    with pytest.raises(ValueError, match="needs a pad token"):
+        sampler(model, unpadded).generate(["1+1="], 2, [0])

@@ -191,11 +191,11 @@ class GRPOTrainer:
         return 1.0
 
     # ---------------------------------------------------------------- data
-    def next_rows(self, count: int | None = None) -> tuple:
-        """The next ``count`` rows (default prompts_per_step) and their data positions (the keys
-        of their samples): a fresh seeded shuffle each epoch, so a position resumes."""
+    def next_rows(self) -> tuple:
+        """The next prompts_per_step rows and their data positions (the keys of their samples):
+        a fresh seeded shuffle each epoch, so a position resumes."""
         rows, keys = [], []
-        for _ in range(self.config.prompts_per_step if count is None else count):
+        for _ in range(self.config.prompts_per_step):
             epoch, index = divmod(self.data_position, len(self.rows))
             rows.append(self.rows[self._epoch_order(epoch)[index]])
             keys.append(self.data_position)
@@ -259,8 +259,9 @@ class GRPOTrainer:
         )
         return dataclasses.replace(batch, advantages=GroupAdvantages(*(t.to(self.device) for t in advantages)))
 
-    def _loss(self, batch: Rollout, packed: Packed, num_items: torch.Tensor):
-        """``(loss output, log-probs [n, C] detached)`` of one packed micro-batch of ``batch``.
+    def _loss(self, batch: Rollout, packed: Packed, num_items: torch.Tensor, want_logprobs: bool = False):
+        """``(loss output, log-probs [n, C] detached)`` of one packed micro-batch of ``batch``;
+        the fused LM head returns no log-probs (None) unless ``want_logprobs`` (one more sweep).
 
         The loss is ``policy_loss`` on the rows' [n, C] completion grid (what ``grpo_loss``
         computes on padded logits); only the per-token log-probs travel to the grid, the
@@ -281,6 +282,8 @@ class GRPOTrainer:
                 ids = to_grid(packed.targets, packed)
                 out = fused_linear_grpo_loss(hidden, head.weight, ids, adv, mask, old, ref, bias=head.bias,
                                              num_items_in_batch=num_items, return_entropy=True, loss_config=config)
+                if not want_logprobs:
+                    return out, None
                 logp = fused_linear_token_logprobs(hidden.detach(), head.weight.detach(), ids, bias=head.bias,
                                                    temperature=config.temperature)  # fmt: skip
                 return out, logp
@@ -317,7 +320,7 @@ class GRPOTrainer:
             weight = aggregation.micro_batch_weight(
                 rows.stop - rows.start, micro_tokens, N, total_tokens, self.loss_config, num_items.item()
             )
-            out, logp = self._loss(batch, packed, num_items)
+            out, logp = self._loss(batch, packed, num_items, want_logprobs=logprobs is not None)
             (out.loss * weight).backward()
             if logprobs is not None:
                 logprobs.append(logp)

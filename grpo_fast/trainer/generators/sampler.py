@@ -58,8 +58,6 @@ class Sampler:
                 f"compile_generation needs a CUDA device (a static cache replayed as a CUDA graph); "
                 f"the policy is on {self.device.type}"
             )
-        if tokenizer.pad_token_id is None:
-            raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
         self.static_cache = config.compile_generation if static_cache is None else static_cache
         self.cache_argument = _cache_argument(model)
         self._compiled, self._cache, self._cache_shape = None, None, None
@@ -110,6 +108,8 @@ class Sampler:
         config, device = self.config, self.device
         if len(keys) != len(prompts):
             raise ValueError(f"keys must give one key per prompt ({len(prompts)}), got {len(keys)}")
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
         G, T = group_size, config.max_new_tokens
         multiple = STATIC_PROMPT_MULTIPLE if self.config.compile_generation else None
         prompt_ids, prompt_mask = (x.to(device) for x in encode_prompts(self.tokenizer, prompts,
