@@ -17,7 +17,7 @@ from grpo_fast import grpo_loss
 from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
-from grpo_fast.trainer.packing import micro_batches, pack, packed_logits, to_grid
+from grpo_fast.trainer.packing import flash_attention_available, micro_batches, pack, packed_logits, to_grid
 from grpo_fast.trainer.rollout import completion_logits, completion_logprobs, reference_context
 
 CASES = [dict(loss_type=name) for name in LOSS_TYPES] + [dict(loss_type="grpo", importance_sampling="sequence")]
@@ -161,3 +161,16 @@ def test_micro_batches_follow_the_token_budget():
     assert [(s.start, s.stop) for s in micro_batches(lengths, None, 3)] == [(0, 3), (3, 6), (6, 7)]
     assert [(s.start, s.stop) for s in micro_batches(lengths, 12, 1)] == [(i, i + 1) for i in range(7)]
     assert micro_batches(lengths, None, None) == [slice(0, 7)]
+
+
+def test_flash_attention_only_on_cuda_in_bf16_with_flash_attn(monkeypatch):
+    """The trainer loads --model with flash_attention_2 (varlen kernels for packed rows) only
+    where it can run: CUDA, bf16 autocast, flash-attn installed."""
+    import transformers.utils
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    assert flash_attention_available(cuda, True)
+    assert not flash_attention_available(cuda, False) and not flash_attention_available(cpu, True)
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    assert not flash_attention_available(cuda, True)

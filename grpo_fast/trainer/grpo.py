@@ -43,7 +43,15 @@ from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer import run_log
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.generators import make_generator
-from grpo_fast.trainer.packing import Packed, micro_batches, pack, packed_hidden, packed_logits, to_grid
+from grpo_fast.trainer.packing import (
+    Packed,
+    flash_attention_available,
+    micro_batches,
+    pack,
+    packed_hidden,
+    packed_logits,
+    to_grid,
+)
 from grpo_fast.trainer.rollout import (
     Rollout,
     autocast,
@@ -67,8 +75,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_model_and_tokenizer(config: GRPOConfig):
-    """The policy and tokenizer: from ``config.model`` (a local path) or the built-in demo."""
+def load_model_and_tokenizer(config: GRPOConfig, flash_attention: bool = False):
+    """The policy and tokenizer: from ``config.model`` (a local path) or the built-in demo.
+    ``flash_attention`` loads the model with ``flash_attention_2``, whose varlen kernels run
+    the packed forwards (see ``packing.py``)."""
     if config.model is None:
         from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 
@@ -79,7 +89,8 @@ def load_model_and_tokenizer(config: GRPOConfig):
     tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(config.model, local_files_only=True, dtype=torch.float32)
+    attention = dict(attn_implementation="flash_attention_2") if flash_attention else {}
+    model = AutoModelForCausalLM.from_pretrained(config.model, local_files_only=True, dtype=torch.float32, **attention)
     return model, tokenizer
 
 
@@ -107,7 +118,7 @@ class GRPOTrainer:
         )
         self.bf16 = config.precision == "bf16" or (config.precision == "auto" and self.device.type == "cuda")
         if model is None:
-            model, tokenizer = load_model_and_tokenizer(config)
+            model, tokenizer = load_model_and_tokenizer(config, flash_attention_available(self.device, self.bf16))
         elif tokenizer is None:
             raise ValueError("a model passed to GRPOTrainer needs its tokenizer")
         self.tokenizer = tokenizer
