@@ -18,11 +18,16 @@ from grpo_fast.ops._backend import select_backend
 from grpo_fast.ops._validate import check_ids, check_temperature, check_tensor
 from grpo_fast.spec import accumulate_dtype
 
-# Rows per chunk are sized so that one chunk's float32 copy is about this many bytes: small
-# enough to stay in a CPU's L3 while it is reused (log-sum-exp, gather, entropy), large
-# enough that each op is worth waking the intra-op threads for. Measured on 2 cores
-# (bf16, V = 32768 and 151936): 16 MiB is 1.2-1.5x faster than 1 MiB, and 64 MiB no better.
+# Rows per chunk are sized so that one chunk's float32 copy is about this many bytes per
+# intra-op thread. Every op on a chunk is one parallel region, which ends in a barrier: on a
+# 2-core machine whose cores are shared with other work, a barrier waits for a descheduled
+# thread, so more threads want fewer, larger chunks; on one thread a chunk should stay
+# small enough to be reused from cache. Measured side by side (benchmarks/NOTES.md, "CPU
+# path under load"): at 1 thread 16 MiB chunks beat 32 and 64 MiB (2.5x plain eager against
+# 1.7x and 1.3x, bf16); at 2 threads on a loaded machine 32-64 MiB beat 16 MiB (1.0-1.1x
+# plain against 0.8x).
 CHUNK_BYTES = 16 << 20
+MAX_CHUNK_BYTES = 256 << 20
 
 
 def _row_chunks(tensors, rows: int):
@@ -46,29 +51,48 @@ def _row_chunks(tensors, rows: int):
 
 
 def _rows_per_chunk(V: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * V))
+    return max(1, min(CHUNK_BYTES * torch.get_num_threads(), MAX_CHUNK_BYTES) // (4 * V))
+
+
+def _scratch(logits: torch.Tensor, acc: torch.dtype, count: int) -> list:
+    """``count`` [rows, V] ``acc`` buffers that every chunk of one call reuses: a fresh buffer
+    per chunk would be page-faulted in anew each time (allocations this large are mmapped)."""
+    B, T, V = logits.shape
+    rows = min(_rows_per_chunk(V), B * T)
+    return [torch.empty(rows, V, dtype=acc, device=logits.device) for _ in range(count)]
+
+
+def _upcast(chunk: torch.Tensor, temperature: float, buffer: torch.Tensor) -> torch.Tensor:
+    """chunk / temperature in the first rows of ``buffer`` (float32). The upcast is a plain
+    copy: elementwise ops that mix 16-bit and float32 operands take a slow per-element path
+    on CPU (10-20x a same-dtype op, measured), so every later op runs on one dtype."""
+    x = buffer[: chunk.shape[0]].copy_(chunk)
+    return x if temperature == 1.0 else x.mul_(1.0 / temperature)
 
 
 def logprobs_fwd_torch(logits: torch.Tensor, ids: torch.Tensor, temperature: float, return_entropy: bool):
     """Chunked forward. logits [B, T, V] (any strides), ids [B, T] ->
-    logp [B, T], lse [B, T] (of logits / temperature), entropy [B, T] or None; float32."""
+    logp [B, T], lse [B, T] (of logits / temperature), entropy [B, T] or None; float32.
+
+    Each chunk is two passes over [n, V] (five with entropy), each one parallel region: on a
+    machine whose cores are shared every region ends in a barrier that waits for the slowest
+    thread, so the number of regions sets the time there (benchmarks/NOTES.md).
+    """
     B, T, V = logits.shape
     acc = accumulate_dtype(logits)
     logp = torch.empty(B * T, dtype=acc, device=logits.device)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if return_entropy else None
-    flat_ids = ids.reshape(-1).long()
+    flat_ids = ids.reshape(-1, 1).long()
+    x_buffer, logsm_buffer = _scratch(logits, acc, 2)
     for (chunk,), rows in _row_chunks([logits], _rows_per_chunk(V)):
-        x = chunk.to(acc, copy=True)  # the only float32 temporary: [n, V]
-        if temperature != 1.0:
-            x.div_(temperature)
-        chunk_lse = torch.logsumexp(x, dim=-1)
-        lse[rows] = chunk_lse
-        logp[rows] = x.gather(1, flat_ids[rows].unsqueeze(1)).squeeze(1) - chunk_lse
-        if return_entropy:
-            # H = lse - sum_v p_v x_v, with p = exp(x - lse)
-            p = (x - chunk_lse.unsqueeze(1)).exp_()
-            entropy[rows] = chunk_lse - (p * x).sum(-1)
+        x = _upcast(chunk, temperature, x_buffer)  # [n, V], x = logits / tau
+        logsm = torch.log_softmax(x, dim=-1, out=logsm_buffer[: x.shape[0]])  # one fused pass
+        tok = flat_ids[rows]
+        logp[rows] = logsm.gather(1, tok).squeeze(1)
+        lse[rows] = x.gather(1, tok).squeeze(1) - logp[rows]
+        if return_entropy:  # H = lse - sum_v p_v x_v, p = exp(log_softmax(x))
+            entropy[rows] = lse[rows] - logsm.exp_().mul_(x).sum(-1)
     shape = (B, T)
     return logp.view(shape), lse.view(shape), None if entropy is None else entropy.view(shape)
 
@@ -76,20 +100,19 @@ def logprobs_fwd_torch(logits: torch.Tensor, ids: torch.Tensor, temperature: flo
 def logprobs_bwd_torch(
     logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor, temperature: float, out
 ):
-    """Chunked backward: writes dL/dlogits into ``out`` [B, T, V] (may be ``logits`` itself)."""
+    """Chunked backward: writes dL/dlogits into ``out`` [B, T, V] (may be ``logits`` itself);
+    per chunk the upcast, p = exp(x / tau - lse) in place, and the scaled write in the
+    output's dtype."""
     B, T, V = logits.shape
     acc = accumulate_dtype(logits)
     coef = (grad_logp.to(acc) / temperature).reshape(-1, 1)  # g / tau, [B*T, 1]
     flat_ids = ids.reshape(-1, 1).long()
-    flat_lse = lse.reshape(-1, 1)
+    flat_lse = lse.reshape(-1, 1).to(acc)
+    (buffer,) = _scratch(logits, acc, 1)
     for (chunk, out_chunk), r in _row_chunks([logits, out], _rows_per_chunk(V)):
-        x = chunk.to(acc, copy=True)
-        if temperature != 1.0:
-            x.div_(temperature)
-        p = x.sub_(flat_lse[r]).exp_()
-        p.mul_(-coef[r])
-        p.scatter_add_(1, flat_ids[r], coef[r])
-        out_chunk.copy_(p)
+        p = _upcast(chunk, temperature, buffer).sub_(flat_lse[r]).exp_()  # softmax(x / tau), [n, V]
+        p.scatter_add_(1, flat_ids[r], torch.full_like(coef[r], -1.0))  # p - onehot
+        torch.mul(p, -coef[r], out=out_chunk)  # coef * (onehot - p), in the output's dtype
     return out
 
 
