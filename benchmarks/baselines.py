@@ -121,9 +121,21 @@ def loss_step(impl: str, batch: dict):
 
         def run():
             x = padded.detach().requires_grad_()
-            out, _ = liger(x, batch["old"], batch["ref"], batch["ids"], batch["advantages"], batch["mask"],
-                           temperature=1.0, beta=BETA, eps_low=EPS, eps_high=EPS, inplace=True, loss_type="grpo",
-                           reduce=True)  # fmt: skip
+            out, _ = liger(
+                x,
+                batch["old"],
+                batch["ref"],
+                batch["ids"],
+                batch["advantages"],
+                batch["mask"],
+                temperature=1.0,
+                beta=BETA,
+                eps_low=EPS,
+                eps_high=EPS,
+                inplace=True,
+                loss_type="grpo",
+                reduce=True,
+            )
             torch.autograd.grad(out, x)
 
         return run
@@ -139,8 +151,13 @@ def loss_step(impl: str, batch: dict):
 
 def logprobs_step(impl: str, batch: dict):
     """A closure doing one no-grad log-prob pass (what the old and reference models need)."""
-    fn = dict(fused=grpo_fast.token_logprobs, plain=plain_logprobs, trl=trl_logprobs, reference=reference.token_logprobs,
-              compiled=torch.compile(plain_logprobs) if impl == "compiled" else None)  # fmt: skip
+    fn = dict(
+        fused=grpo_fast.token_logprobs,
+        plain=plain_logprobs,
+        trl=trl_logprobs,
+        reference=reference.token_logprobs,
+        compiled=torch.compile(plain_logprobs) if impl == "compiled" else None,
+    )
     if impl not in fn:
         raise ValueError(f"impl must be one of {LOGPROB_IMPLS}, got {impl!r}")
 

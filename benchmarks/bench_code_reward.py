@@ -46,8 +46,11 @@ def make_batch(n: int):
         rows = [json.loads(line) for line in f]
     tasks = [(row, code) for row in rows for name, code in SOLUTIONS.items() if f"`{name}(" in row["prompt"]]
     picked = [tasks[i % len(tasks)] for i in range(n)]
-    return ([row["prompt"] for row, _ in picked], [f"```python\n{code}```" for _, code in picked],
-            [row["tests"] for row, _ in picked])
+    return (
+        [row["prompt"] for row, _ in picked],
+        [f"```python\n{code}```" for _, code in picked],
+        [row["tests"] for row, _ in picked],
+    )
 
 
 def worker(n: int) -> None:
@@ -72,8 +75,13 @@ def worker(n: int) -> None:
 class Worker:
     def __init__(self, tree: str, n: int):
         env = {**os.environ, "PYTHONPATH": tree}
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(n)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(n)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
 
     def time(self, workers: int, fallback: bool) -> float:
         self.proc.stdin.write(f"{workers} {int(fallback)}\n")
@@ -92,8 +100,9 @@ def _commit(tree: str | None) -> str | None:
     """The baseline's git commit (its path if it is no checkout)."""
     if tree is None:
         return None
-    found = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           check=False)
+    found = subprocess.run(
+        ["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    )
     return found.stdout.strip() if found.returncode == 0 else tree
 
 
@@ -109,8 +118,12 @@ def main():
     if args.worker:
         return worker(n)
     cores = len(os.sched_getaffinity(0))
-    configs = [("workers=1", 1, False), ("workers=cores", cores, False), ("workers=2*cores", 2 * cores, False),
-               ("workers=cores, fallback", cores, True)]
+    configs = [
+        ("workers=1", 1, False),
+        ("workers=cores", cores, False),
+        ("workers=2*cores", 2 * cores, False),
+        ("workers=cores, fallback", cores, True),
+    ]
     trees = {"current": REPO, **({"baseline": os.path.abspath(args.baseline)} if args.baseline else {})}
     workers = {name: Worker(tree, n) for name, tree in trees.items()}
     rows = []
@@ -142,8 +155,16 @@ def main():
     if not args.quick:
         out = os.path.join(REPO, "benchmarks", "results", "code_reward.json")
         with open(out, "w") as f:
-            json.dump({"machine": machine_info(), "root": os.geteuid() == 0, "baseline": _commit(args.baseline),
-                       "rows": rows}, f, indent=2)
+            json.dump(
+                {
+                    "machine": machine_info(),
+                    "root": os.geteuid() == 0,
+                    "baseline": _commit(args.baseline),
+                    "rows": rows,
+                },
+                f,
+                indent=2,
+            )
         print(f"wrote {out}")
 
 

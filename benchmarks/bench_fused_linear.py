@@ -73,9 +73,13 @@ def loss_fn(impl: str, batch):
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         liger = LigerFusedLinearGRPOLoss(
-            beta=LOSS["beta"], epsilon_low=LOSS["eps_low"], epsilon_high=LOSS["eps_high"], loss_type=LOSS["loss_type"],
-            compiled=impl == "liger_compiled", chunk_size=1,
-        )  # fmt: skip
+            beta=LOSS["beta"],
+            epsilon_low=LOSS["eps_low"],
+            epsilon_high=LOSS["eps_high"],
+            loss_type=LOSS["loss_type"],
+            compiled=impl == "liger_compiled",
+            chunk_size=1,
+        )
 
         def forward():
             return liger(h, w, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)[0]
@@ -111,9 +115,12 @@ def main():
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--threads", type=int, default=0, help="torch threads per worker (0: torch's default). On a shared machine "
-        "1 avoids the OpenMP barrier waiting a scheduler slice for a descheduled thread at every parallel op"
-    )  # fmt: skip
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per worker (0: torch's default). On a shared machine "
+        "1 avoids the OpenMP barrier waiting a scheduler slice for a descheduled thread at every parallel op",
+    )
     parser.add_argument("--liger-compiled", action="store_true", help="also time Liger with torch.compile")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one repeat (smoke test, no JSON)")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "fused_linear_cpu.json"))
@@ -156,8 +163,16 @@ def main():
     if not args.quick:
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"machine": machine_info(), "load_average": os.getloadavg(), "loss": LOSS,
-                       "results": list(results.values())}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "machine": machine_info(),
+                    "load_average": os.getloadavg(),
+                    "loss": LOSS,
+                    "results": list(results.values()),
+                },
+                f,
+                indent=1,
+            )
         print(f"wrote {args.json}")
 
 

@@ -42,7 +42,6 @@ def worker(config: dict) -> dict:
     warm-up call of each, ``repeats`` rounds that time one call of each in turn, so that a
     change in the machine's load falls on all of them alike."""
     import torch
-
     from baselines import logprobs_step, loss_step, make_batch
 
     if config["threads"]:
@@ -124,15 +123,25 @@ def main():
     columns += [f"{impl} speed-up" for impl in LOSS_IMPLS[1:]] + ["plain peak MB"]
     columns += [f"{impl} mem ratio" for impl in LOSS_IMPLS[1:]]
     print_table(rows, columns)
-    print("\nspeed-up = plain time / its time; mem ratio = its peak RSS growth / plain's. plain = float32 "
-          "log_softmax + gather + the loss formula in eager PyTorch; trl = TRL's selective_log_softmax path; "
-          "compiled = torch.compile(plain); reference = grpo_fast.reference. Liger-Kernel's logits-level GRPO "
-          "loss is a CUDA Triton kernel: it is timed by benchmarks/gpu/run_all.sh.")  # fmt: skip
+    print(
+        "\nspeed-up = plain time / its time; mem ratio = its peak RSS growth / plain's. plain = float32 "
+        "log_softmax + gather + the loss formula in eager PyTorch; trl = TRL's selective_log_softmax path; "
+        "compiled = torch.compile(plain); reference = grpo_fast.reference. Liger-Kernel's logits-level GRPO "
+        "loss is a CUDA Triton kernel: it is timed by benchmarks/gpu/run_all.sh."
+    )
     if not args.quick:
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"machine": dict(machine_info(), load_average=os.getloadavg()), "baseline": "plain",
-                       "trl": installed_version("trl"), "results": results}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "machine": dict(machine_info(), load_average=os.getloadavg()),
+                    "baseline": "plain",
+                    "trl": installed_version("trl"),
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
         print(f"wrote {args.json}")
 
 

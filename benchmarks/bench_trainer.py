@@ -38,8 +38,8 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -74,24 +74,69 @@ def demo_workload(args) -> Workload:
     tokenizer = build_tokenizer()
     model_dir = tempfile.mkdtemp(prefix="bench-model-")
     build_model(tokenizer, seed=args.seed).save_pretrained(model_dir)
-    return Workload("demo", "demo Llama, hidden 64, 2 layers, vocab 15 (grpo_fast.tasks.arithmetic)", tokenizer,
-                    model_dir, build_dataset(seed=args.seed), arithmetic_reward, batch_size=128, group_size=16,
-                    max_new_tokens=4, beta=0.005, learning_rate=1e-3, steps=25, warmup=5)  # fmt: skip
+    return Workload(
+        "demo",
+        "demo Llama, hidden 64, 2 layers, vocab 15 (grpo_fast.tasks.arithmetic)",
+        tokenizer,
+        model_dir,
+        build_dataset(seed=args.seed),
+        arithmetic_reward,
+        batch_size=128,
+        group_size=16,
+        max_new_tokens=4,
+        beta=0.005,
+        learning_rate=1e-3,
+        steps=25,
+        warmup=5,
+    )
 
 
 class Babble:
     """Generated text: words of random syllables drawn with Zipfian frequencies, sentences of
     4-18 of them, some numbers and punctuation."""
 
-    ONSETS = ("", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
-              "br", "cl", "dr", "fl", "gr", "pl", "pr", "sh", "st", "th", "tr", "ch", "sp")  # fmt: skip
+    ONSETS = (
+        "",
+        "b",
+        "c",
+        "d",
+        "f",
+        "g",
+        "h",
+        "j",
+        "k",
+        "l",
+        "m",
+        "n",
+        "p",
+        "r",
+        "s",
+        "t",
+        "v",
+        "w",
+        "z",
+        "br",
+        "cl",
+        "dr",
+        "fl",
+        "gr",
+        "pl",
+        "pr",
+        "sh",
+        "st",
+        "th",
+        "tr",
+        "ch",
+        "sp",
+    )
     VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "oo", "ou", "y")
     CODAS = ("", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "ck", "x")
 
     def __init__(self, seed: int, words: int = 60000):
         self.rng = random.Random(seed)
-        self.lexicon = ["".join(self._syllable() for _ in range(self.rng.choice((1, 1, 2, 2, 2, 3, 3, 4))))
-                        for _ in range(words)]  # fmt: skip
+        self.lexicon = [
+            "".join(self._syllable() for _ in range(self.rng.choice((1, 1, 2, 2, 2, 3, 3, 4)))) for _ in range(words)
+        ]
         self.cumulative = list(itertools.accumulate(1 / (i + 1) for i in range(words)))
 
     def _syllable(self) -> str:
@@ -113,12 +158,16 @@ def bpe_tokenizer(babble: Babble, vocab_size: int = 32000):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<bos>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", padding_side="left")  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", padding_side="left"
+    )
 
 
 def babble_prompts(babble: Babble, tokenizer, count: int, low: int = 20, high: int = 200) -> list:
@@ -142,10 +191,19 @@ def llama_with_spread_eos(tokenizer, seed: int, eos_rate: float = 1 / 48):
     ``c * u`` with c setting EOS's logit there to about 20."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     specials = 3  # <pad>, <bos>, <eos>
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -166,11 +224,25 @@ def realistic_workload(args) -> Workload:
     tokenizer = bpe_tokenizer(babble)
     model_dir = tempfile.mkdtemp(prefix="bench-model-")
     llama_with_spread_eos(tokenizer, args.seed).save_pretrained(model_dir)
-    description = ("Llama hidden 256, 4 layers, 4 heads, vocab 32000 (byte-level BPE trained on generated text), "
-                   "untied head, EOS after 1 in 48 tokens; prompts 20-200 tokens")  # fmt: skip
-    return Workload("realistic", description, tokenizer, model_dir, babble_prompts(babble, tokenizer, 256),
-                    babble_reward, batch_size=32, group_size=8, max_new_tokens=128, beta=0.04, learning_rate=1e-6,
-                    steps=9, warmup=1)  # fmt: skip
+    description = (
+        "Llama hidden 256, 4 layers, 4 heads, vocab 32000 (byte-level BPE trained on generated text), "
+        "untied head, EOS after 1 in 48 tokens; prompts 20-200 tokens"
+    )
+    return Workload(
+        "realistic",
+        description,
+        tokenizer,
+        model_dir,
+        babble_prompts(babble, tokenizer, 256),
+        babble_reward,
+        batch_size=32,
+        group_size=8,
+        max_new_tokens=128,
+        beta=0.04,
+        learning_rate=1e-6,
+        steps=9,
+        warmup=1,
+    )
 
 
 def babble_reward(prompts, completions, **columns):
@@ -212,9 +284,14 @@ def run_ours(work: Workload, args, steps: int) -> dict:
         batch = sample()
         N, width = batch.input_ids.shape
         prompt_width = width - batch.completion_mask.shape[1]
-        layouts.append(dict(real=batch.attention_mask.sum().item(), padded=N * width,
-                            prefill_ours=N // work.group_size * prompt_width if args.generator == "sampler"
-                            else N * prompt_width, prefill_per_sample=N * prompt_width))  # fmt: skip
+        layouts.append(
+            dict(
+                real=batch.attention_mask.sum().item(),
+                padded=N * width,
+                prefill_ours=N // work.group_size * prompt_width if args.generator == "sampler" else N * prompt_width,
+                prefill_per_sample=N * prompt_width,
+            )
+        )
         return batch
 
     trainer.sample_groups = recorded
@@ -307,8 +384,12 @@ def run_trl(work: Workload, args, steps: int) -> dict:
     logs = [log for log in trainer.state.log_history if "num_tokens" in log]
     cumulative = [log["num_tokens"] for log in logs]
     tokens = [b - a for a, b in zip([0.0] + cumulative[:-1], cumulative)]
-    return dict(times=timer.times, cpu_times=timer.cpu_times, tokens=tokens,
-                lengths=[log.get("completions/mean_length") for log in logs])  # fmt: skip
+    return dict(
+        times=timer.times,
+        cpu_times=timer.cpu_times,
+        tokens=tokens,
+        lengths=[log.get("completions/mean_length") for log in logs],
+    )
 
 
 def summarize(runs: list, warmup: int) -> dict:
@@ -339,8 +420,10 @@ def bench(work: Workload, args) -> dict:
     for _ in range(args.rounds):
         for name, run in runners.items():
             runs[name].append(run(work, args, steps))
-            print(f"  {work.name} {name}: step medians "
-                  f"{statistics.median(runs[name][-1]['times'][warmup:]):.3f} s", flush=True)  # fmt: skip
+            print(
+                f"  {work.name} {name}: step medians {statistics.median(runs[name][-1]['times'][warmup:]):.3f} s",
+                flush=True,
+            )
     results = {name: summarize(runs[name], warmup) for name in runners}
     if "trl" in results:
         results["speedup_steps_per_s"] = results["grpo_fast"]["steps_per_s"] / results["trl"]["steps_per_s"]
@@ -356,16 +439,18 @@ def bench(work: Workload, args) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="steps per round, warm-up included (default: per workload)")  # fmt: skip
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per round, warm-up included (default: per workload)"
+    )
     parser.add_argument("--warmup", type=int, default=None, help="steps dropped per round (default: per workload)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--generator", default=GRPOConfig.generator, help="grpo_fast's generation engine")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both (the demo uses 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-trl", action="store_true", help="only time grpo_fast")
-    parser.add_argument("--trl-as-shipped", action="store_true",
-                        help="TRL's CPU path: log-probs over every position, prompt included")  # fmt: skip
+    parser.add_argument(
+        "--trl-as-shipped", action="store_true", help="TRL's CPU path: log-probs over every position, prompt included"
+    )
     parser.add_argument("--output-dir", default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -390,12 +475,20 @@ def main():
             "workload": name,
             "model": work.description,
             "setup": dict(
-                batch_size=work.batch_size, group_size=work.group_size, max_new_tokens=work.max_new_tokens,
-                beta=work.beta, learning_rate=work.learning_rate, rounds=args.rounds, threads=args.threads,
-                seed=args.seed, generator=args.generator,
-                trl_scoring="every position (as shipped on CPU)" if args.trl_as_shipped
-                else "completion positions only (as on a GPU)", **measured,
-            ),  # fmt: skip
+                batch_size=work.batch_size,
+                group_size=work.group_size,
+                max_new_tokens=work.max_new_tokens,
+                beta=work.beta,
+                learning_rate=work.learning_rate,
+                rounds=args.rounds,
+                threads=args.threads,
+                seed=args.seed,
+                generator=args.generator,
+                trl_scoring="every position (as shipped on CPU)"
+                if args.trl_as_shipped
+                else "completion positions only (as on a GPU)",
+                **measured,
+            ),
             "versions": {"transformers": transformers.__version__, "trl": trl_version},
             "machine": machine_info(),
             "results": results,
@@ -415,15 +508,21 @@ def main():
             r = results[trainer]
             spread = f"{r['p20_s'] * 1e3:.0f}-{r['p80_s'] * 1e3:.0f}"
             length = "-" if r["completion_len_mean"] is None else f"{r['completion_len_mean']:.1f}"
-            print(f"{trainer:<10} {r['steps_per_s']:8.3f} {r['tokens_per_s']:9.0f} {r['median_s'] * 1e3:10.1f} "
-                  f"{spread:>14} {r['median_cpu_s'] * 1e3:9.1f} {length:>6}")  # fmt: skip
+            print(
+                f"{trainer:<10} {r['steps_per_s']:8.3f} {r['tokens_per_s']:9.0f} {r['median_s'] * 1e3:10.1f} "
+                f"{spread:>14} {r['median_cpu_s'] * 1e3:9.1f} {length:>6}"
+            )
         ours = results["grpo_fast"]
-        print(f"padding a padded batch would compute: {ours['padding_fraction_of_padded_batch']:.1%}; "
-              f"prefill tokens saved: {ours['prefill_tokens_saved']:.1%}")
+        print(
+            f"padding a padded batch would compute: {ours['padding_fraction_of_padded_batch']:.1%}; "
+            f"prefill tokens saved: {ours['prefill_tokens_saved']:.1%}"
+        )
         if "speedup_steps_per_s" in results:
             rounds = ", ".join(f"{r:.2f}x" for r in results["speedup_per_round"])
-            print(f"grpo_fast / TRL steps/s: {results['speedup_steps_per_s']:.2f}x (rounds: {rounds}); "
-                  f"CPU time per step: {results['speedup_cpu_time']:.2f}x")
+            print(
+                f"grpo_fast / TRL steps/s: {results['speedup_steps_per_s']:.2f}x (rounds: {rounds}); "
+                f"CPU time per step: {results['speedup_cpu_time']:.2f}x"
+            )
         print(f"wrote {path}")
 
 

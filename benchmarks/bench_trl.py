@@ -61,22 +61,40 @@ def build(config: dict):
     torch.set_num_threads(config["threads"])
     tokenizer = build_tokenizer(vocab_size=config["vocab"])
     folder = tempfile.mkdtemp(prefix="bench-trl-model-")
-    model = build_model(tokenizer, seed=0, hidden_size=config["hidden"], intermediate_size=2 * config["hidden"],
-                        max_position_embeddings=config["length"] + 16)
+    model = build_model(
+        tokenizer,
+        seed=0,
+        hidden_size=config["hidden"],
+        intermediate_size=2 * config["hidden"],
+        max_position_embeddings=config["length"] + 16,
+    )
     model.save_pretrained(folder)
     cuda = config["device"] == "cuda"
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench-trl-run-"), use_cpu=not cuda, bf16=cuda, report_to="none",
-        per_device_train_batch_size=config["batch"], num_generations=config["group"],
-        max_completion_length=config["length"], generation_kwargs={"min_new_tokens": config["length"]},
-        use_liger_kernel=config["impl"] == "trl_liger", save_strategy="no", disable_tqdm=True, seed=0,
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-run-"),
+        use_cpu=not cuda,
+        bf16=cuda,
+        report_to="none",
+        per_device_train_batch_size=config["batch"],
+        num_generations=config["group"],
+        max_completion_length=config["length"],
+        generation_kwargs={"min_new_tokens": config["length"]},
+        use_liger_kernel=config["impl"] == "trl_liger",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
         model_init_kwargs={"dtype": "bfloat16"} if cuda else None,
-    )  # fmt: skip
+    )
     cls = GRPOTrainer if config["impl"] == "grpo_fast" else StockTrainer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = cls(model=folder, reward_funcs=arithmetic_reward, args=args, processing_class=tokenizer,
-                      train_dataset=Dataset.from_list(build_dataset(num_rows=64, seed=0)))
+        trainer = cls(
+            model=folder,
+            reward_funcs=arithmetic_reward,
+            args=args,
+            processing_class=tokenizer,
+            train_dataset=Dataset.from_list(build_dataset(num_rows=64, seed=0)),
+        )
     trainer.current_gradient_accumulation_steps = 1  # set by train() otherwise
     if args.use_liger_kernel:  # what train() does first
         from transformers.integrations.liger import apply_liger_kernel
@@ -120,7 +138,9 @@ def worker(config: dict) -> dict:
     start = time.perf_counter()
     peak = cuda_peak_extra_bytes(synced, "cuda") if cuda else steady_peak_growth(synced)
     first = time.perf_counter() - start  # the peak's call is the first timed one
-    stats = quantiles([first] + [time_fn(synced, warmup=0, repeats=1)["median_s"] for _ in range(config["repeats"] - 1)])
+    stats = quantiles(
+        [first] + [time_fn(synced, warmup=0, repeats=1)["median_s"] for _ in range(config["repeats"] - 1)]
+    )
     return {**stats, "peak_bytes": peak, "completion_tokens": completion_tokens}
 
 
@@ -143,7 +163,15 @@ def main():
         print(json.dumps(worker(json.loads(args.worker))))
         return
     if args.dry_run:
-        args.vocab, args.hidden, args.length, args.batch, args.group, args.repeats, args.rounds = 512, 16, 16, 4, 4, 1, 1
+        args.vocab, args.hidden, args.length, args.batch, args.group, args.repeats, args.rounds = (
+            512,
+            16,
+            16,
+            4,
+            4,
+            1,
+            1,
+        )
 
     import transformers
 
@@ -155,7 +183,9 @@ def main():
         print("TRL is not installed (pip install 'grpo-fast[trl]'): nothing to compare")
         return
 
-    base = {k: getattr(args, k) for k in ("device", "vocab", "hidden", "length", "batch", "group", "repeats", "threads")}
+    base = {
+        k: getattr(args, k) for k in ("device", "vocab", "hidden", "length", "batch", "group", "repeats", "threads")
+    }
     runs = {(impl, phase): [] for phase in PHASES for impl in IMPLEMENTATIONS}
     for _ in range(args.rounds):
         for phase in PHASES:
@@ -163,7 +193,10 @@ def main():
                 start = time.perf_counter()
                 out = run_isolated([sys.executable, os.path.abspath(__file__)], {**base, "impl": impl, "phase": phase})
                 runs[impl, phase].append(out)
-                shown = out.get("error") or f"median {out['median_s'] * 1e3:.0f} ms, peak {out['peak_bytes'] / 2**20:.0f} MiB"
+                shown = (
+                    out.get("error")
+                    or f"median {out['median_s'] * 1e3:.0f} ms, peak {out['peak_bytes'] / 2**20:.0f} MiB"
+                )
                 print(f"{phase:<9} {impl:<10} {shown}  ({time.perf_counter() - start:.0f} s)", flush=True)
 
     results = {}
@@ -174,9 +207,11 @@ def main():
             continue
         times = [o["median_s"] for o in ok]
         results.setdefault(phase, {})[impl] = {
-            "median_s": statistics.median(times), "round_medians_s": times,
-            "peak_bytes": max(o["peak_bytes"] for o in ok), "completion_tokens": ok[0]["completion_tokens"],
-        }  # fmt: skip
+            "median_s": statistics.median(times),
+            "round_medians_s": times,
+            "peak_bytes": max(o["peak_bytes"] for o in ok),
+            "completion_tokens": ok[0]["completion_tokens"],
+        }
     for phase, rows in results.items():
         stock = rows.get("trl", {})
         for row in rows.values():
@@ -184,14 +219,16 @@ def main():
                 row["time_vs_trl"] = row["median_s"] / stock["median_s"]
                 row["peak_vs_trl"] = row["peak_bytes"] / stock["peak_bytes"]
 
-    print(f"\n| phase | implementation | median step | time / TRL | peak | peak / TRL |\n|---|---|---|---|---|---|")
+    print("\n| phase | implementation | median step | time / TRL | peak | peak / TRL |\n|---|---|---|---|---|---|")
     for phase, rows in results.items():
         for impl, row in rows.items():
             if "error" in row:
                 print(f"| {phase} | {impl} | error: {row['error'][:80]} | | | |")
                 continue
-            print(f"| {phase} | {impl} | {row['median_s'] * 1e3:.0f} ms | {row['time_vs_trl']:.2f} | "
-                  f"{row['peak_bytes'] / 2**20:.0f} MiB | {row['peak_vs_trl']:.2f} |")
+            print(
+                f"| {phase} | {impl} | {row['median_s'] * 1e3:.0f} ms | {row['time_vs_trl']:.2f} | "
+                f"{row['peak_bytes'] / 2**20:.0f} MiB | {row['peak_vs_trl']:.2f} |"
+            )
     report = {
         "benchmark": "TRL GRPOTrainer update and log-prob pass: stock, use_liger_kernel, grpo_fast.integrations.trl",
         "setup": {**base, "rounds": args.rounds, "loss": "TRL defaults (dapo, beta 0)", "dry_run": args.dry_run},

@@ -11,7 +11,15 @@ import sys
 from grpo_fast.bench import measure
 from grpo_fast.bench.measure import current_rss_bytes, machine_info, peak_rss_growth, print_table, quantiles, time_fn
 
-__all__ = ["current_rss_bytes", "machine_info", "peak_rss_growth", "print_table", "quantiles", "run_isolated", "time_fn"]
+__all__ = [
+    "current_rss_bytes",
+    "machine_info",
+    "peak_rss_growth",
+    "print_table",
+    "quantiles",
+    "run_isolated",
+    "time_fn",
+]
 
 
 def run_isolated(script: str, config: dict, timeout: float = 1800) -> dict:

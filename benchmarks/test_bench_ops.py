@@ -10,7 +10,6 @@ every timed call ends with a synchronize, so the time is the device's.
 
 import pytest
 import torch
-
 from baselines import LOGPROB_IMPLS, LOSS_IMPLS, logprobs_step, loss_step, make_batch
 
 import grpo_fast
@@ -56,8 +55,11 @@ def _plain_group_advantages(rewards, G):
 @pytest.mark.parametrize("impl", ["fused", "plain", "reference"])
 def test_group_advantages(benchmark, device, impl):
     G, rewards = 16, torch.rand(4096, device=device)
-    fn = dict(fused=lambda: grpo_fast.group_advantages(rewards, G), plain=lambda: _plain_group_advantages(rewards, G),
-              reference=lambda: reference.group_advantages(rewards, G))[impl]  # fmt: skip
+    fn = dict(
+        fused=lambda: grpo_fast.group_advantages(rewards, G),
+        plain=lambda: _plain_group_advantages(rewards, G),
+        reference=lambda: reference.group_advantages(rewards, G),
+    )[impl]
     benchmark.group = f"group_advantages 4096 rewards, G={G} {device}"
     benchmark.extra_info.update(impl=impl, device=device)
     benchmark(timed(fn, device))

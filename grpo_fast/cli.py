@@ -18,7 +18,9 @@ import typing
 
 from grpo_fast.trainer.config import GRPOConfig
 
-BENCHMARKS = {"memory": "peak memory and step time of one training step: ppo, grpo_eager, grpo_fused, grpo_fused_linear"}
+BENCHMARKS = {
+    "memory": "peak memory and step time of one training step: ppo, grpo_eager, grpo_fused, grpo_fused_linear"
+}
 
 # Short names the issue and README use for config fields.
 _ALIASES = {"output_dir": ["--output"], "group_size": ["-G"]}

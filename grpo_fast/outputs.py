@@ -1,6 +1,6 @@
 """Return types shared by the reference and every backend."""
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -31,10 +31,9 @@ class LossOutput(NamedTuple):
     """
 
     loss: torch.Tensor
-    kl: Optional[torch.Tensor]
+    kl: torch.Tensor | None
     clip_ratio_low: torch.Tensor
     clip_ratio_high: torch.Tensor
     clip_ratio_region: torch.Tensor
     ratio_mean: torch.Tensor
-    entropy: Optional[torch.Tensor]
-
+    entropy: torch.Tensor | None

@@ -14,7 +14,14 @@ the aggregation, the clip metrics) is read from the loss spec, ``grpo_fast/spec.
 import torch
 
 from grpo_fast.outputs import GroupAdvantages, LossOutput
-from grpo_fast.spec import IMPORTANCE_LEVELS, LossConfig, accumulate_dtype, loss_metrics, per_token_loss, without_padding
+from grpo_fast.spec import (
+    IMPORTANCE_LEVELS,
+    LossConfig,
+    accumulate_dtype,
+    loss_metrics,
+    per_token_loss,
+    without_padding,
+)
 
 
 def nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:

@@ -24,8 +24,9 @@ and the loss is ``sum_bt per_token * weight`` with the aggregation's token weigh
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -144,7 +145,9 @@ class LossType(NamedTuple):
 LOSS_TYPES = {
     "grpo": LossType(clipped_term, clipped_flags, "sequence_mean", kernel_kind=0),
     "bnpo": LossType(clipped_term, clipped_flags, "batch_tokens", kernel_kind=0),
-    "dr_grpo": LossType(clipped_term, clipped_flags, "fixed_length", kernel_kind=0, requires=("max_completion_length",)),
+    "dr_grpo": LossType(
+        clipped_term, clipped_flags, "fixed_length", kernel_kind=0, requires=("max_completion_length",)
+    ),
     "dapo": LossType(clipped_term, clipped_flags, "global_tokens", kernel_kind=0),
     "luspo": LossType(clipped_term, clipped_flags, "sequence_sum", kernel_kind=0),
     "cispo": LossType(cispo_term, cispo_flags, "global_tokens", kernel_kind=1, clipped=False),
@@ -264,7 +267,9 @@ class LossConfig(_Frozen):
     loss_type: str = option("grpo", f"one of {', '.join(LOSS_TYPES)}")
     importance_sampling: str = option("token", "'token' ratios, or 'sequence' (GSPO: one ratio per sequence)")
     kl_estimator: str = option("k3", f"KL estimator of d = ref - logp: {', '.join(KL_ESTIMATORS)}")
-    kl_bias_correction: bool = option(False, "multiply the KL term by the importance ratio (TRL's use_bias_correction_kl)")
+    kl_bias_correction: bool = option(
+        False, "multiply the KL term by the importance ratio (TRL's use_bias_correction_kl)"
+    )
     max_completion_length: int | None = option(None, "dr_grpo's normaliser: the loss is divided by B * it")
     sapo_tau_pos: float = option(1.0, "SAPO's gate temperature where A > 0")
     sapo_tau_neg: float = option(1.05, "SAPO's gate temperature where A <= 0")

@@ -17,10 +17,30 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_benchmark_suite_runs_at_tiny_shapes_and_groups_every_implementation(tmp_path):
     out = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, "-m", "pytest", "benchmarks/", "--benchmark-only", "--bench-shape", "tiny",
-               "--bench-device", "cpu", "--benchmark-min-rounds", "1", "--benchmark-max-time", "0.001",
-               "--benchmark-warmup", "off", "-k", "not compiled", "-p", "no:cacheprovider", "-q",
-               "--benchmark-json", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "benchmarks/",
+        "--benchmark-only",
+        "--bench-shape",
+        "tiny",
+        "--bench-device",
+        "cpu",
+        "--benchmark-min-rounds",
+        "1",
+        "--benchmark-max-time",
+        "0.001",
+        "--benchmark-warmup",
+        "off",
+        "-k",
+        "not compiled",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "--benchmark-json",
+        str(out),
+    ]
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     groups = collections.defaultdict(dict)

@@ -91,12 +91,20 @@ def test_values_cross_as_plain_data_with_python_equality():
         def fails():
             raise ValueError("no")
     """)
-    tests = ["assert f('tuple') == (1, (2.5, 'x')) and type(f('tuple')) is tuple", "assert f('set') == {1, 2}",
-             "assert f('frozenset') == frozenset({b'a'})", "assert f('dict') == {(1, 2): [None]}",
-             "assert f('complex') == 1 + 2j", "assert f('bytearray') == bytearray(b'z')",
-             "assert math.isnan(f('nan'))", "assert f('big') == 2**100", "assert f('counter') == {'a': 2, 'b': 1}",
-             "assert f('bool') == 1 and f('bool') is True", "assert limit == 10",
-             "try:\n    fails()\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError"]
+    tests = [
+        "assert f('tuple') == (1, (2.5, 'x')) and type(f('tuple')) is tuple",
+        "assert f('set') == {1, 2}",
+        "assert f('frozenset') == frozenset({b'a'})",
+        "assert f('dict') == {(1, 2): [None]}",
+        "assert f('complex') == 1 + 2j",
+        "assert f('bytearray') == bytearray(b'z')",
+        "assert math.isnan(f('nan'))",
+        "assert f('big') == 2**100",
+        "assert f('counter') == {'a': 2, 'b': 1}",
+        "assert f('bool') == 1 and f('bool') is True",
+        "assert limit == 10",
+        "try:\n    fails()\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError",
+    ]
     assert score(code, tests) == 1.0
 
 
@@ -136,15 +144,19 @@ def test_extract_code_takes_the_last_fenced_block():
 def test_run_python_isolation_facts():
     result = run_python(
         "import os, sys\nprint(os.getuid(), os.getcwd(), sorted(os.listdir('.')), os.path.exists(sys.argv[1]))\n"
-        "print(sorted(os.environ))\nprint(sys.stdin.read())", args=(REPO,), files={"data.txt": "x"}, stdin="hello",
+        "print(sorted(os.environ))\nprint(sys.stdin.read())",
+        args=(REPO,),
+        files={"data.txt": "x"},
+        stdin="hello",
         limits=LIMITS,
     )
     assert result.ok, result
     head, env_keys, stdin = result.stdout.splitlines()
     uid, cwd, listing, sees_repo = head.split(" ")
     assert listing == "['data.txt']" and stdin == "hello"
-    assert env_keys == str(sorted(["HOME", "LANG", "PATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                                   "MKL_NUM_THREADS"]))
+    assert env_keys == str(
+        sorted(["HOME", "LANG", "PATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"])
+    )
     if result.isolated:
         assert cwd == "/tmp" and int(uid) != 0 and sees_repo == "False"  # the caller's files are not in its view
 
@@ -155,39 +167,39 @@ def test_run_python_isolation_facts():
 # METADATA and check(candidate), entry point), written for these tests.
 HUMANEVAL = [
     {
-        "prompt": 'from typing import List\n\n\ndef running_max(numbers: List[int]) -> List[int]:\n'
-                  '    """The largest element seen so far, at each position.\n'
-                  '    >>> running_max([1, 3, 2])\n    [1, 3, 3]\n    """\n',
+        "prompt": "from typing import List\n\n\ndef running_max(numbers: List[int]) -> List[int]:\n"
+        '    """The largest element seen so far, at each position.\n'
+        '    >>> running_max([1, 3, 2])\n    [1, 3, 3]\n    """\n',
         "canonical_solution": "    out, best = [], None\n    for x in numbers:\n"
-                              "        best = x if best is None else max(best, x)\n        out.append(best)\n"
-                              "    return out\n",
+        "        best = x if best is None else max(best, x)\n        out.append(best)\n"
+        "    return out\n",
         "wrong_solution": "    return sorted(numbers)\n",
         "test": "\n\nMETADATA = {'author': 'grpo_fast'}\n\n\ndef check(candidate):\n"
-                "    assert candidate([]) == []\n    assert candidate([1, 3, 2]) == [1, 3, 3]\n"
-                "    assert candidate([5, 4, 3]) == [5, 5, 5]\n    assert candidate([-1, 0, -2, 7]) == [-1, 0, 0, 7]\n",
+        "    assert candidate([]) == []\n    assert candidate([1, 3, 2]) == [1, 3, 3]\n"
+        "    assert candidate([5, 4, 3]) == [5, 5, 5]\n    assert candidate([-1, 0, -2, 7]) == [-1, 0, 0, 7]\n",
         "entry_point": "running_max",
     },
     {
         # check() uses a helper of the prompt, as HumanEval's encode/decode problems do.
         "prompt": "def encode_shift(s: str) -> str:\n"
-                  "    return ''.join(chr((ord(c) - ord('a') + 3) % 26 + ord('a')) for c in s)\n\n\n"
-                  'def decode_shift(s: str) -> str:\n    """Inverse of encode_shift."""\n',
+        "    return ''.join(chr((ord(c) - ord('a') + 3) % 26 + ord('a')) for c in s)\n\n\n"
+        'def decode_shift(s: str) -> str:\n    """Inverse of encode_shift."""\n',
         "canonical_solution": "    return ''.join(chr((ord(c) - ord('a') - 3) % 26 + ord('a')) for c in s)\n",
         "wrong_solution": "    return s[::-1]\n",
         "test": "\n\nMETADATA = {}\n\n\ndef check(candidate):\n    import random\n    rng = random.Random(7)\n"
-                "    for _ in range(20):\n"
-                "        word = ''.join(rng.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(rng.randint(1, 12)))\n"
-                "        assert candidate(encode_shift(word)) == word\n",
+        "    for _ in range(20):\n"
+        "        word = ''.join(rng.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(rng.randint(1, 12)))\n"
+        "        assert candidate(encode_shift(word)) == word\n",
         "entry_point": "decode_shift",
     },
     {
-        "prompt": 'def mean_distance(xs: list, center: float) -> float:\n'
-                  '    """Mean absolute distance of xs from center."""\n',
+        "prompt": "def mean_distance(xs: list, center: float) -> float:\n"
+        '    """Mean absolute distance of xs from center."""\n',
         "canonical_solution": "    return sum(abs(x - center) for x in xs) / len(xs)\n",
         "wrong_solution": "    return max(abs(x - center) for x in xs)\n",
         "test": "\n\ndef check(candidate):\n    assert abs(candidate([1.0, 2.0, 3.0], 2.0) - 2 / 3) < 1e-6\n"
-                "    assert abs(candidate([0.5], 0.0) - 0.5) < 1e-6\n"
-                "    assert abs(candidate([1.0, -1.0, 4.0], 0.0) - 2.0) < 1e-6\n",
+        "    assert abs(candidate([0.5], 0.0) - 0.5) < 1e-6\n"
+        "    assert abs(candidate([1.0, -1.0, 4.0], 0.0) - 2.0) < 1e-6\n",
         "entry_point": "mean_distance",
     },
 ]
@@ -200,11 +212,20 @@ def test_humaneval_canonical_scores_one_and_wrong_zero():
     for solution in ("canonical_solution", "wrong_solution"):
         completions = [f"```python\n{p['prompt']}{p[solution]}```" for p in HUMANEVAL]
         expected = [1.0 if solution == "canonical_solution" else 0.0] * n
-        columns = code_reward(["p"] * n, completions, tests=[p["test"] for p in HUMANEVAL], limits=LIMITS,
-                              entry_point=[p["entry_point"] for p in HUMANEVAL], setup=[p["prompt"] for p in HUMANEVAL])
-        rows = code_reward(["p"] * n, completions, limits=LIMITS,
-                           tests=[{"test": p["test"], "entry_point": p["entry_point"], "setup": p["prompt"]}
-                                  for p in HUMANEVAL])
+        columns = code_reward(
+            ["p"] * n,
+            completions,
+            tests=[p["test"] for p in HUMANEVAL],
+            limits=LIMITS,
+            entry_point=[p["entry_point"] for p in HUMANEVAL],
+            setup=[p["prompt"] for p in HUMANEVAL],
+        )
+        rows = code_reward(
+            ["p"] * n,
+            completions,
+            limits=LIMITS,
+            tests=[{"test": p["test"], "entry_point": p["entry_point"], "setup": p["prompt"]} for p in HUMANEVAL],
+        )
         assert columns == expected and rows == expected, solution
 
 
@@ -219,9 +240,11 @@ def test_humaneval_helpers_from_setup_stay_trusted():
 
 def test_mbpp_asserts_with_setup_and_entry_point():
     code = "def circle_area(r):\n    return 3.141592653589793 * r * r\n"
-    tests = {"asserts": ["assert math.isclose(circle_area(2), 12.566370614359172)",
-                         "assert isclose(circle_area(1), pi)"],
-             "setup": "from math import isclose, pi", "entry_point": "circle_area"}
+    tests = {
+        "asserts": ["assert math.isclose(circle_area(2), 12.566370614359172)", "assert isclose(circle_area(1), pi)"],
+        "setup": "from math import isclose, pi",
+        "entry_point": "circle_area",
+    }
     assert score(code, tests) == 1.0
     # With an entry point, a stub of that name in setup is the program's, not the stub.
     stubbed = {**tests, "setup": tests["setup"] + "\ndef circle_area(r):\n    return 0.0\n"}
@@ -256,16 +279,38 @@ def test_broken_trusted_tests_raise_rather_than_score_zero():
 
 
 def test_codec_round_trip_and_rejects_anything_else():
-    values = [None, True, -3, 2.5, float("inf"), "é", b"\x00", bytearray(b"a"), 1j, [1, [2]], (1, (2,)),
-              {1, 2}, frozenset({"a"}), {(1, "x"): {"k": [None]}}]
+    values = [
+        None,
+        True,
+        -3,
+        2.5,
+        float("inf"),
+        "é",
+        b"\x00",
+        bytearray(b"a"),
+        1j,
+        [1, [2]],
+        (1, (2,)),
+        {1, 2},
+        frozenset({"a"}),
+        {(1, "x"): {"k": [None]}},
+    ]
     for value in values:
         decoded = _code_harness.decode(json.loads(json.dumps(_code_harness.encode(value))))
         assert decoded == value and type(decoded) is type(value)
     too_deep = []
     for _ in range(_code_harness.MAX_DEPTH + 1):
         too_deep = [too_deep]
-    for junk in [{"tuple": 1}, {"set": [[1]]}, {"dict": [[[1], 2]]}, {"x": []}, {"tuple": [], "set": []},
-                 {"bytes": 3}, {"complex": ["a", 1]}, too_deep]:
+    for junk in [
+        {"tuple": 1},
+        {"set": [[1]]},
+        {"dict": [[[1], 2]]},
+        {"x": []},
+        {"tuple": [], "set": []},
+        {"bytes": 3},
+        {"complex": ["a", 1]},
+        too_deep,
+    ]:
         with pytest.raises(ValueError):
             _code_harness.decode(junk)
     with pytest.raises(TypeError):
@@ -277,7 +322,8 @@ def test_codec_round_trip_and_rejects_anything_else():
 HOSTILE = {
     # Everything a harness inside the program's process could rely on, replaced; forged
     # verdicts written to every descriptor; every reply rewritten to one value; add() is wrong.
-    "harness_tampering": ("""
+    "harness_tampering": (
+        """
         import builtins, json, os, sys
         def add(a, b):
             return 0
@@ -295,10 +341,14 @@ HOSTILE = {
         builtins.isinstance = lambda obj, kind: True
         builtins.AssertionError = type("AssertionError", (Exception,), {})
         builtins.compile = lambda *a, **k: compile("pass", "x", "exec")
-    """, ["assert add(1, 2) == 3 and add(2, 5) == 7", "assert add(10, 20) == 30 and add(0, 1) == 1"], None),
+    """,
+        ["assert add(1, 2) == 3 and add(2, 5) == 7", "assert add(10, 20) == 30 and add(0, 1) == 1"],
+        None,
+    ),
     # The expected value (also in the trainer's environment and session keyring, and in a
     # private file of the caller) is searched for everywhere the program can look.
-    "secret_reading": ("""
+    "secret_reading": (
+        """
         import gc, glob, os, re, sys
         TOKEN = re.compile(r"tok-[0-9a-f]{32}")
         found = []
@@ -332,13 +382,21 @@ HOSTILE = {
                 pass
         def guess():
             return found[0] if found else None
-    """, ["assert guess() == '$secret'"], None),
-    "early_exit": ("""
+    """,
+        ["assert guess() == '$secret'"],
+        None,
+    ),
+    "early_exit": (
+        """
         import atexit, os
         atexit.register(lambda: print("all tests passed"))
         os._exit(0)
-    """, ["assert True", "assert 1 + 1 == 2"], None),
-    "always_equal": ("""
+    """,
+        ["assert True", "assert 1 + 1 == 2"],
+        None,
+    ),
+    "always_equal": (
+        """
         class Anything:
             __eq__ = __le__ = __ge__ = lambda self, other: True
             __ne__ = __lt__ = __gt__ = lambda self, other: False
@@ -355,9 +413,19 @@ HOSTILE = {
             return Text("no")
         def h(x):
             return Number(0)
-    """, ["assert f(1) == 2", "assert not (f(1) != 2)", "assert f(1) >= 3 and f(1) <= 3", "assert g(1) == 'yes'",
-          "assert h(1) == 3", "assert sorted([f(1), 2]) == [2, 2]"], None),
-    "assert_stripping": ("""
+    """,
+        [
+            "assert f(1) == 2",
+            "assert not (f(1) != 2)",
+            "assert f(1) >= 3 and f(1) <= 3",
+            "assert g(1) == 'yes'",
+            "assert h(1) == 3",
+            "assert sorted([f(1), 2]) == [2, 2]",
+        ],
+        None,
+    ),
+    "assert_stripping": (
+        """
         import builtins, os
         _compile = builtins.compile
         builtins.compile = lambda source, filename, mode, flags=0, dont_inherit=False, optimize=-1: \\
@@ -365,9 +433,13 @@ HOSTILE = {
         os.environ["PYTHONOPTIMIZE"] = "2"
         def add(a, b):
             return 0
-    """, ["assert add(1, 2) == 3", "assert add(2, 2) == 4"], None),
+    """,
+        ["assert add(1, 2) == 3", "assert add(2, 2) == 4"],
+        None,
+    ),
     # Every route to a listening TCP port and Unix sockets of the test process.
-    "network": ("""
+    "network": (
+        """
         import ctypes, importlib, socket, struct, subprocess, sys
         reached = 0
         def attempt(route):
@@ -394,9 +466,13 @@ HOSTILE = {
         attempt(lambda: socket.socket(socket.AF_UNIX).connect("$target/sock"))
         def routes():
             return reached
-    """, ["assert routes() > 0"], None),
+    """,
+        ["assert routes() > 0"],
+        None,
+    ),
     # The caller (trainer), the test process and the bootstrap; then every process it may reach.
-    "signals": ("""
+    "signals": (
+        """
         import os, signal
         hits = 0
         for pid, sig in (($trainer_pid, 0), ($trainer_pid, signal.SIGUSR1), ($pytest_pid, signal.SIGUSR1),
@@ -413,8 +489,12 @@ HOSTILE = {
                 except OSError:
                     pass
             return hits
-    """, ["assert hit_count() > 0"], None),
-    "daemons": ("""
+    """,
+        ["assert hit_count() > 0"],
+        None,
+    ),
+    "daemons": (
+        """
         import os, subprocess, threading, time
         if os.fork() == 0:
             os.setsid()
@@ -425,8 +505,12 @@ HOSTILE = {
         threading.Thread(target=time.sleep, args=(60,)).start()  # keeps the interpreter from exiting
         def add(a, b):
             return 0
-    """, ["assert add(1, 2) == 3"], None),
-    "disk": ("""
+    """,
+        ["assert add(1, 2) == 3"],
+        None,
+    ),
+    "disk": (
+        """
         import os
         written = 0
         for folder in (".", "/tmp", "/var/tmp", "/dev/shm"):
@@ -439,9 +523,13 @@ HOSTILE = {
                 pass
         def megabytes():
             return written
-    """, ["assert megabytes() > 8"], None),
+    """,
+        ["assert megabytes() > 8"],
+        None,
+    ),
     # Six processes of 48 MiB each: more than the sandbox's 256 MiB together.
-    "memory": ("""
+    "memory": (
+        """
         import os
         children = []
         for _ in range(6):
@@ -464,9 +552,13 @@ HOSTILE = {
             pass
         def megabytes():
             return allocated
-    """, ["assert megabytes() > 256"], None),
+    """,
+        ["assert megabytes() > 256"],
+        None,
+    ),
     # The tests run in the judge, outside the sandbox: they look at the host's files.
-    "outside_writes": ("""
+    "outside_writes": (
+        """
         import os
         for action in (lambda: open("$target/keep.txt", "w").write("pwned"), lambda: os.remove("$target/victim.txt"),
                        lambda: open("$target/created.txt", "w").write("new"),
@@ -477,16 +569,28 @@ HOSTILE = {
                 action()
             except OSError:
                 pass
-    """, ["assert open('$target/keep.txt').read() == 'pwned'", "assert not os.path.exists('$target/victim.txt')",
-          "assert os.path.exists('$target/created.txt')", "assert os.stat('$target/keep.txt').st_mode & 0o777 == 0o777",
-          "assert os.path.exists('/tmp/$marker')", "assert os.path.exists('/var/tmp/$marker')",
-          "assert os.path.exists('/dev/shm/$marker')"], "import os"),
+    """,
+        [
+            "assert open('$target/keep.txt').read() == 'pwned'",
+            "assert not os.path.exists('$target/victim.txt')",
+            "assert os.path.exists('$target/created.txt')",
+            "assert os.stat('$target/keep.txt').st_mode & 0o777 == 0o777",
+            "assert os.path.exists('/tmp/$marker')",
+            "assert os.path.exists('/var/tmp/$marker')",
+            "assert os.path.exists('/dev/shm/$marker')",
+        ],
+        "import os",
+    ),
 }
-HOSTILE["honest"] = ("""
+HOSTILE["honest"] = (
+    """
     import os
     def add(a, b):
         return a + b
-""", ["assert add(1, 2) == 3 and add(2, 5) == 7", "assert os.path.exists('$target/keep.txt')"], "import os")
+""",
+    ["assert add(1, 2) == 3 and add(2, 5) == 7", "assert os.path.exists('$target/keep.txt')"],
+    "import os",
+)
 # What the fallback without Landlock cannot stop (SECURITY.md): files outside its scratch dir.
 NEEDS_LANDLOCK = {"disk", "outside_writes", "secret_reading"}
 MODES = ["root", "user", "root-fallback", "user-fallback"]
@@ -529,10 +633,18 @@ def _unprivileged_python():
     """An interpreter uid 65534 may run, with this repository readable to it, or None."""
     for python in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
         try:
-            probe = ("import sys, ctypes, json; assert sys.version_info >= (3, 10); "
-                     f"open({os.path.join(REPO, 'grpo_fast', 'rewards', 'sandbox.py')!r}).close()")
-            check = subprocess.run([python, "-I", "-c", probe], user=NOBODY, group=NOBODY, extra_groups=[],
-                                   capture_output=True, check=False)
+            probe = (
+                "import sys, ctypes, json; assert sys.version_info >= (3, 10); "
+                f"open({os.path.join(REPO, 'grpo_fast', 'rewards', 'sandbox.py')!r}).close()"
+            )
+            check = subprocess.run(
+                [python, "-I", "-c", probe],
+                user=NOBODY,
+                group=NOBODY,
+                extra_groups=[],
+                capture_output=True,
+                check=False,
+            )
         except OSError:  # not even executable by that uid
             continue
         if check.returncode == 0:
@@ -557,8 +669,15 @@ class Battery:
         for path in [self.target] + [os.path.join(self.target, n) for n in os.listdir(self.target)]:
             os.chown(path, owner, owner)
         self.servers = self._listen()
-        context = {"marker": self.marker, "sleep": self.sleep, "secret": self.secret, "target": self.target,
-                   "port": self.servers[0].getsockname()[1], "abstract": self.marker, "pytest_pid": os.getpid()}
+        context = {
+            "marker": self.marker,
+            "sleep": self.sleep,
+            "secret": self.secret,
+            "target": self.target,
+            "port": self.servers[0].getsockname()[1],
+            "abstract": self.marker,
+            "pytest_pid": os.getpid(),
+        }
         self.names = list(HOSTILE)
         programs, tests = [], []
         for name in self.names:
@@ -566,18 +685,31 @@ class Battery:
             programs.append(Template(textwrap.dedent(program)).safe_substitute(context))
             tests.append({"asserts": [Template(a).safe_substitute(context) for a in asserts], "setup": setup})
         signals_before = len(pytest_signals)
-        request = {"repo": REPO, "names": self.names, "programs": programs, "tests": tests, "secret": self.secret,
-                   "needs_landlock": sorted(NEEDS_LANDLOCK),
-                   "limits": {"wall_time_s": 3.0, "memory_bytes": 256 << 20, "max_processes": 8,
-                              "scratch_bytes": 8 << 20}}
+        request = {
+            "repo": REPO,
+            "names": self.names,
+            "programs": programs,
+            "tests": tests,
+            "secret": self.secret,
+            "needs_landlock": sorted(NEEDS_LANDLOCK),
+            "limits": {"wall_time_s": 3.0, "memory_bytes": 256 << 20, "max_processes": 8, "scratch_bytes": 8 << 20},
+        }
         env = {**os.environ, "GRPO_FAST_SANDBOX_NO_NAMESPACES": str(int(mode.endswith("fallback")))}
         # As root the interpreter may live where the sandbox uid cannot read it (pyenv under
         # /root): the namespaces make it readable, the fallback cannot, so it gets one that is.
         python = sys.executable if mode == "root" or not ROOT else _unprivileged_python()
         as_nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if mode.startswith("user") and ROOT else {}
         start = time.monotonic()
-        done = subprocess.run([python, "-I", "-c", RUNNER], input=json.dumps(request), env=env, capture_output=True,
-                              text=True, cwd="/", check=False, **as_nobody)
+        done = subprocess.run(
+            [python, "-I", "-c", RUNNER],
+            input=json.dumps(request),
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd="/",
+            check=False,
+            **as_nobody,
+        )
         assert done.returncode == 0, done.stderr
         reply = json.loads(done.stdout.splitlines()[-1])
         self.scores, self.received, self.isolation = reply["scores"], reply["received"], reply["isolation"]
@@ -585,8 +717,13 @@ class Battery:
         self.pytest_signals = len(pytest_signals) - signals_before
         self.connections = self._accepted()
         self.processes = processes_with(self.sleep) + processes_with(self.marker)
-        self.leftovers = [os.path.join(d, n) for d in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(d)
-                          for n in os.listdir(d) if self.marker in n]
+        self.leftovers = [
+            os.path.join(d, n)
+            for d in ("/tmp", "/var/tmp", "/dev/shm")
+            if os.path.isdir(d)
+            for n in os.listdir(d)
+            if self.marker in n
+        ]
         self.target_files = {}
         for name in sorted(set(os.listdir(self.target)) - {"sock"}):
             with open(os.path.join(self.target, name)) as f:
@@ -646,8 +783,10 @@ def battery(request, pytest_signals):
     if mode.startswith("root") and not ROOT:
         pytest.skip("the root modes need the tests to run as root")
     if mode != "root" and ROOT and _unprivileged_python() is None:
-        pytest.skip("no Python interpreter and repository that uid 65534 may read, for an unprivileged caller "
-                    "or the fallback's sandbox uid")
+        pytest.skip(
+            "no Python interpreter and repository that uid 65534 may read, for an unprivileged caller "
+            "or the fallback's sandbox uid"
+        )
     run = Battery(mode, pytest_signals)
     try:
         expected = ("landlock", "none") if mode.endswith("fallback") else (mode,)

@@ -46,10 +46,17 @@ def write_saved_dataset_dict(path, rows):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(path))
 
 
-@pytest.mark.parametrize("writer, name", [
-    (write_jsonl, "data.jsonl"), (write_json, "data.json"), (write_csv, "data.csv"),
-    (write_saved_dataset, "saved"), (write_saved_dataset_dict, "saved_dict"),
-], ids=["jsonl", "json", "csv", "save_to_disk", "save_to_disk-dict"])
+@pytest.mark.parametrize(
+    "writer, name",
+    [
+        (write_jsonl, "data.jsonl"),
+        (write_json, "data.json"),
+        (write_csv, "data.csv"),
+        (write_saved_dataset, "saved"),
+        (write_saved_dataset_dict, "saved_dict"),
+    ],
+    ids=["jsonl", "json", "csv", "save_to_disk", "save_to_disk-dict"],
+)
 def test_round_trip_through_each_loader(tmp_path, writer, name):
     path = tmp_path / name
     writer(path, ROWS)
@@ -75,16 +82,21 @@ def make_chat_tokenizer():
     vocab = {"[UNK]": 0, "<eos>": 1}
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]",
-                                   chat_template=template)
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]", chat_template=template
+    )
 
 
 def test_chat_template_is_applied(tmp_path):
     path = tmp_path / "data.jsonl"
-    write_jsonl(path, [{"prompt": "What is 6 * 7?", "answer": "42"},
-                       {"prompt": [{"role": "user", "content": "Hi"}], "answer": "0"}])
+    write_jsonl(
+        path,
+        [{"prompt": "What is 6 * 7?", "answer": "42"}, {"prompt": [{"role": "user", "content": "Hi"}], "answer": "0"}],
+    )
     rows = load_prompt_dataset(path, tokenizer=make_chat_tokenizer(), system_prompt="Think first.")
     assert rows[0]["prompt"] == "<|system|>Think first.\n<|user|>What is 6 * 7?\n<|assistant|>"
     assert rows[1]["prompt"] == "<|system|>Think first.\n<|user|>Hi\n<|assistant|>"
@@ -136,6 +148,10 @@ SAMPLE_CODE_SOLUTIONS = [
 def test_bundled_code_sample_passes_reference_solutions():
     rows = load_prompt_dataset(os.path.join(os.path.dirname(SAMPLE_MATH), "sample_code.jsonl"))
     completions = [f"```python\n{code}```" for code in SAMPLE_CODE_SOLUTIONS]
-    rewards = code_reward([r["prompt"] for r in rows], completions, tests=[r["tests"] for r in rows],
-                          limits=SandboxLimits(wall_time_s=3.0))
+    rewards = code_reward(
+        [r["prompt"] for r in rows],
+        completions,
+        tests=[r["tests"] for r in rows],
+        limits=SandboxLimits(wall_time_s=3.0),
+    )
     assert rewards == [1.0] * len(rows)

@@ -122,8 +122,17 @@ def test_matches_reference(loss_type, importance_sampling, bias):
         dict(beta=0.1, kl_bias_correction=True),
         dict(loss_type="cispo", eps_high=3.0, beta=0.1, kl_bias_correction=True, importance_sampling="sequence"),
     ],
-    ids=["temp0.7", "temp1.3_k1", "k2", "delta_dual_clip", "dapo_num_items", "entropy", "importance_weights",
-         "kl_bias", "cispo_seq_kl_bias"],  # fmt: skip
+    ids=[
+        "temp0.7",
+        "temp1.3_k1",
+        "k2",
+        "delta_dual_clip",
+        "dapo_num_items",
+        "entropy",
+        "importance_weights",
+        "kl_bias",
+        "cispo_seq_kl_bias",
+    ],
 )
 @pytest.mark.parametrize("chunk_size", [1, 7, None])
 def test_options_and_chunks(options, chunk_size):
@@ -179,8 +188,9 @@ def test_half_precision(dtype, fp32_weight_grad):
 def test_float64_is_exact():
     case = make_case(dtype=torch.float64)
     out, grads = run_fused(case, chunk_size=4, beta=0.04, importance_sampling="sequence")
-    expected, expected_grads = run_materialised(case, reference.grpo_loss, torch.float64, beta=0.04,
-                                                importance_sampling="sequence")  # fmt: skip
+    expected, expected_grads = run_materialised(
+        case, reference.grpo_loss, torch.float64, beta=0.04, importance_sampling="sequence"
+    )
     assert_matches(out, grads, expected, expected_grads, 1e-12)
 
 

@@ -14,9 +14,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import _device_image
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "gpu", "occupancy.py")
@@ -53,9 +52,11 @@ def test_every_kernel_is_captured_and_compiled_for_both_targets(report):
 @pytest.mark.slow
 def test_no_compile_error_no_spill_and_enough_resident_warps(report):
     failing = [r for r in report["rows"] if r["problems"]]
-    lines = [f"{r['kernel']} sm_{r['cc']} {r['constexprs']} warps={r['num_warps']} "
-             f"[{r.get('specialisation', '')}] in {r['scenarios'][:3]}: {'; '.join(r['problems'])}"
-             for r in failing]  # fmt: skip
+    lines = [
+        f"{r['kernel']} sm_{r['cc']} {r['constexprs']} warps={r['num_warps']} "
+        f"[{r.get('specialisation', '')}] in {r['scenarios'][:3]}: {'; '.join(r['problems'])}"
+        for r in failing
+    ]
     assert not failing, f"triton {report['triton']}:\n" + "\n".join(lines)
     assert report["returncode"] == 0
 
@@ -64,10 +65,12 @@ def test_occupancy_model_matches_cudas_rules():
     """The register rule the issue quotes: 128 registers at 8 warps fit 2 CTAs (16 warps)
     per SM, 129 only 1; shared memory and the 64-warp cap bind where registers do not."""
     row = dict(num_warps=8, reg=128, dynamic_shared=32, shared=0, constexprs=dict(BLOCK_V=4096), bytes_per_element=2)
-    assert occupancy.occupancy(row, 90) == dict(ctas_per_sm=2, warps_per_sm=16, streaming=True,
-                                                bytes_in_flight_per_sm=16384, rows_in_flight=264)  # fmt: skip
+    assert occupancy.occupancy(row, 90) == dict(
+        ctas_per_sm=2, warps_per_sm=16, streaming=True, bytes_in_flight_per_sm=16384, rows_in_flight=264
+    )
     assert occupancy.occupancy(dict(row, reg=129), 90)["warps_per_sm"] == 8
     assert occupancy.occupancy(dict(row, reg=32), 90)["warps_per_sm"] == 64  # the 64-warp cap
     assert occupancy.occupancy(dict(row, reg=32, dynamic_shared=80_000), 80)["ctas_per_sm"] == 2  # 164 KB
-    assert occupancy.problems(dict(row, reg=129, spill_stores=0, spill_loads=0, **occupancy.occupancy(
-        dict(row, reg=129), 90)))  # fmt: skip
+    assert occupancy.problems(
+        dict(row, reg=129, spill_stores=0, spill_loads=0, **occupancy.occupancy(dict(row, reg=129), 90))
+    )

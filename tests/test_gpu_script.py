@@ -12,9 +12,8 @@ import os
 import shutil
 import subprocess
 
-import pytest
-
 import _device_image
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,11 +22,19 @@ pytestmark = pytest.mark.slow
 
 def test_the_project_is_not_installed_in_the_emulating_environment(tmp_path):
     env = _device_image.shell_env(REPO)
-    found = subprocess.run(["python3", "-c", "import grpo_fast; print(grpo_fast.__file__)"], env=env,
-                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    found = subprocess.run(
+        ["python3", "-c", "import grpo_fast; print(grpo_fast.__file__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert found.strip() == os.path.join(REPO, "grpo_fast", "__init__.py")
     env.pop("PYTHONPATH")
-    assert subprocess.run(["python3", "-c", "import grpo_fast"], env=env, cwd=tmp_path, capture_output=True).returncode != 0
+    assert (
+        subprocess.run(["python3", "-c", "import grpo_fast"], env=env, cwd=tmp_path, capture_output=True).returncode
+        != 0
+    )
     python = shutil.which("python", path=env["PATH"])
     assert python is None or subprocess.run([python], capture_output=True).returncode == 127
 
@@ -35,8 +42,14 @@ def test_the_project_is_not_installed_in_the_emulating_environment(tmp_path):
 def test_run_all_dry_run_passes_on_the_device_image(tmp_path):
     out = tmp_path / "out"
     env = _device_image.shell_env(REPO, OUT=str(out))
-    proc = subprocess.run(["bash", "benchmarks/gpu/run_all.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu/run_all.sh", "--dry-run"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, log
     files = sorted(os.listdir(out))

@@ -65,8 +65,9 @@ def test_unscored_completions_are_left_out(backend, scale):
     mean and std and of the batch std, and gets advantage 0 (TRL); a group with one scored
     completion has no std, and its one advantage is 0."""
     nan = float("nan")
-    columns = torch.tensor([[1.0, nan], [0.0, 1.0], [nan, nan], [1.0, 1.0], [nan, 0.0], [0.0, 0.0],
-                            [nan, nan], [3.0, nan], [nan, nan]])  # fmt: skip
+    columns = torch.tensor(
+        [[1.0, nan], [0.0, 1.0], [nan, nan], [1.0, 1.0], [nan, 0.0], [0.0, 0.0], [nan, nan], [3.0, nan], [nan, nan]]
+    )
     weights = [2.0, 0.5]  # a list, as TRL's config holds it
     out = grpo_fast.group_advantages(columns, 3, scale=scale, reward_weights=weights)
     scored = [2.0, 0.5, 2.5, 0.0, 0.0]

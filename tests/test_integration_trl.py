@@ -19,7 +19,6 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import rel_err
 
 trl = pytest.importorskip("trl", reason="TRL is in the [test] extra: pip install -e '.[test]'")
@@ -33,8 +32,16 @@ B, P, T = 4, 3, 6
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
 # Every GRPOConfig field that touches the loss, away from its default (delta above
 # 1 + epsilon_high: TRL's high clip ratio is then the one grpo_fast logs, docs/design.md).
-CUSTOM = dict(epsilon=0.15, epsilon_high=0.28, delta=1.5, use_bias_correction_kl=False, temperature=0.7,
-              top_entropy_quantile=0.5, sapo_temperature_pos=0.9, sapo_temperature_neg=1.2)
+CUSTOM = dict(
+    epsilon=0.15,
+    epsilon_high=0.28,
+    delta=1.5,
+    use_bias_correction_kl=False,
+    temperature=0.7,
+    top_entropy_quantile=0.5,
+    sapo_temperature_pos=0.9,
+    sapo_temperature_neg=1.2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +57,26 @@ def make_trainer(cls, setup, reward_funcs=arithmetic_reward, peft_config=None, *
     tokenizer, folder, dataset = setup
     options = {"per_device_train_batch_size": B, "num_generations": 4, **options}
     args = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(dir=os.path.dirname(folder)), use_cpu=True, bf16=False, report_to="none",
-        max_completion_length=T, save_strategy="no", disable_tqdm=True, logging_steps=1, **options,
-    )  # fmt: skip
+        output_dir=tempfile.mkdtemp(dir=os.path.dirname(folder)),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_completion_length=T,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        **options,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = cls(model=folder, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                      processing_class=tokenizer, peft_config=peft_config)
+        trainer = cls(
+            model=folder,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train() otherwise
     return trainer
 
@@ -73,14 +93,22 @@ def make_batch(trainer, beta: float, seed: int = 0) -> dict:
     completion_mask[2, :] = 0
     with torch.no_grad():
         logp = trl.GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, trainer.model, torch.cat([prompt_ids, completion_ids], 1),
-            torch.cat([prompt_mask, completion_mask], 1), T,
-        )[0]  # fmt: skip
+            trainer,
+            trainer.model,
+            torch.cat([prompt_ids, completion_ids], 1),
+            torch.cat([prompt_mask, completion_mask], 1),
+            T,
+        )[0]
     batch = dict(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
-        advantages=torch.randn(B, generator=g) + 0.3, old_per_token_logps=logp + 0.3 * torch.randn(B, T, generator=g),
-        num_items_in_batch=completion_mask.sum() * 2, importance_sampling_ratio=torch.exp(0.2 * torch.randn(B, T, generator=g)),
-    )  # fmt: skip
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=torch.randn(B, generator=g) + 0.3,
+        old_per_token_logps=logp + 0.3 * torch.randn(B, T, generator=g),
+        num_items_in_batch=completion_mask.sum() * 2,
+        importance_sampling_ratio=torch.exp(0.2 * torch.randn(B, T, generator=g)),
+    )
     if beta:
         batch["ref_per_token_logps"] = logp + 0.2 * torch.randn(B, T, generator=g)
     return batch
@@ -157,8 +185,9 @@ def test_eval_loss_matches_trl(setup):
     for trainer in (stock, ours):
         trainer.model.eval()
     with torch.no_grad():
-        assert float(ours.compute_loss(ours.model, batch)) == pytest.approx(float(stock.compute_loss(stock.model, batch)),
-                                                                           rel=1e-5)
+        assert float(ours.compute_loss(ours.model, batch)) == pytest.approx(
+            float(stock.compute_loss(stock.model, batch)), rel=1e-5
+        )
 
 
 @pytest.mark.parametrize(
@@ -211,8 +240,14 @@ def trained(cls, setup, **options):
     "options",
     [
         {},
-        dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04, gradient_accumulation_steps=2,
-             steps_per_generation=1, num_iterations=2),
+        dict(
+            loss_type="grpo",
+            importance_sampling_level="sequence",
+            beta=0.04,
+            gradient_accumulation_steps=2,
+            steps_per_generation=1,
+            num_iterations=2,
+        ),
     ],
     ids=["trl-defaults", "gspo-kl-accumulation-iterations"],
 )
@@ -263,8 +298,17 @@ def test_two_process_training_matches_trl(setup, tmp_path):
     through the DDP-wrapped model's forward, the metrics are gathered and reduced across ranks."""
     script, result = tmp_path / "train.py", tmp_path / "runs.json"
     script.write_text(TWO_PROCESSES)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-               setup[1], str(result)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        setup[1],
+        str(result),
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(result.read_text())
@@ -291,8 +335,14 @@ def scored_odd(prompts, completions, **columns):
 def test_advantages_with_unscored_completions_match_trl(setup, scale):
     """Completions no reward function scored (rows 0 and 6 of each 12) are left out of the group
     statistics and get advantage 0, in TRL and in grpo_fast.group_advantages alike."""
-    trainer = make_trainer(GRPOTrainer, setup, reward_funcs=[scored_every_other, scored_odd],
-                           reward_weights=[1.0, 0.5], scale_rewards=scale, per_device_train_batch_size=12)
+    trainer = make_trainer(
+        GRPOTrainer,
+        setup,
+        reward_funcs=[scored_every_other, scored_odd],
+        reward_weights=[1.0, 0.5],
+        scale_rewards=scale,
+        per_device_train_batch_size=12,
+    )
     seen = {}
     calculate = trainer._calculate_rewards
 

@@ -15,10 +15,11 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import rel_err
 
-pytest.importorskip("verl", reason="verl installs with --no-deps: pip install --no-deps verl==0.9.1 (README's test command)")
+pytest.importorskip(
+    "verl", reason="verl installs with --no-deps: pip install --no-deps verl==0.9.1 (README's test command)"
+)
 
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.utils.experimental import torch_functional as verl_fused  # noqa: E402
@@ -32,8 +33,16 @@ LOSSES = ["vanilla", "gspo", "cispo", "sapo"]
 
 
 def actor_config(global_batch: bool):
-    config = FSDPActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio_low=0.2,
-                             clip_ratio_high=0.28, clip_ratio_c=2.5, tau_pos=0.9, tau_neg=1.2)
+    config = FSDPActorConfig(
+        strategy="fsdp",
+        rollout_n=4,
+        ppo_micro_batch_size_per_gpu=2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=2.5,
+        tau_pos=0.9,
+        tau_neg=1.2,
+    )
     if global_batch:  # this rank's share of a 2-rank batch
         config.global_batch_info.update(dp_size=2, batch_num_tokens=61, global_batch_size=11, loss_scale_factor=9)
     return config
@@ -56,8 +65,15 @@ def make_inputs(loss: str, seed: int = 0):
 
 def run(fn, log_prob, old, advantages, mask, mode, config, weights):
     x = log_prob.clone().requires_grad_()
-    loss, metrics = fn(old_log_prob=old, log_prob=x, advantages=advantages, response_mask=mask, loss_agg_mode=mode,
-                       config=config, rollout_is_weights=weights)
+    loss, metrics = fn(
+        old_log_prob=old,
+        log_prob=x,
+        advantages=advantages,
+        response_mask=mask,
+        loss_agg_mode=mode,
+        config=config,
+        rollout_is_weights=weights,
+    )
     loss.backward()
     return loss.detach(), x.grad, metrics
 
@@ -76,8 +92,9 @@ def test_policy_losses_match_verl(loss, mode, global_batch, weighted):
     expected = run(core_algos.get_policy_loss_fn(loss), log_prob, old, advantages, mask, mode, config, weights)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing falls back to verl's function
-        got = run(core_algos.get_policy_loss_fn(f"grpo_fast_{loss}"), log_prob, old, advantages, mask, mode, config,
-                  weights)
+        got = run(
+            core_algos.get_policy_loss_fn(f"grpo_fast_{loss}"), log_prob, old, advantages, mask, mode, config, weights
+        )
     assert float(got[0]) == pytest.approx(float(expected[0]), rel=1e-5, abs=1e-7)
     assert rel_err(got[1], expected[1]) < 1e-5
     assert got[2] == pytest.approx(expected[2], rel=1e-5, abs=1e-7)
@@ -92,8 +109,9 @@ def test_gspo_falls_back_to_verl_where_it_differs():
     config = actor_config(False)
     weights = torch.rand(B, T, generator=torch.Generator().manual_seed(2)) + 0.5
     for w, old_in in ((weights, old), (None, old - 12 * torch.eye(B, T)[:, :1].expand(B, T))):
-        expected = run(core_algos.get_policy_loss_fn("gspo"), log_prob, old_in, advantages, mask, "token-mean",
-                       config, w)
+        expected = run(
+            core_algos.get_policy_loss_fn("gspo"), log_prob, old_in, advantages, mask, "token-mean", config, w
+        )
         with pytest.warns(UserWarning, match="verl's own gspo"):
             got = run(integration.policy_loss_gspo, log_prob, old_in, advantages, mask, "token-mean", config, w)
         assert float(got[0]) == float(expected[0]) and torch.equal(got[1], expected[1])
@@ -145,9 +163,10 @@ def test_verl_imports_the_integration_in_its_workers():
     code = (
         "from verl.trainer.ppo import core_algos\n"
         "from verl.utils.experimental.torch_functional import FusedLinearForPPO\n"
-        "assert {'grpo_fast_vanilla', 'grpo_fast_gspo', 'grpo_fast_cispo', 'grpo_fast_sapo'} <= set(core_algos.POLICY_LOSS_REGISTRY)\n"
+        "names = {'grpo_fast_vanilla', 'grpo_fast_gspo', 'grpo_fast_cispo', 'grpo_fast_sapo'}\n"
+        "assert names <= set(core_algos.POLICY_LOSS_REGISTRY)\n"
         "assert FusedLinearForPPO.__module__ == 'grpo_fast.integrations.verl', FusedLinearForPPO\n"
-    )  # fmt: skip
+    )
     env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "grpo_fast.integrations.verl"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

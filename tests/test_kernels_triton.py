@@ -167,8 +167,14 @@ def test_fused_loss_across_blocks(loss_type, importance_sampling):
     """Every loss type, clipped both ways, k3 KL, temperature, strided logits, an empty row,
     with V spanning three blocks."""
     batch = make_batch(3, 5, 2 * BLOCK + 5, strided=True, temperature=0.7, seed=1)
-    options = dict(loss_type=loss_type, importance_sampling=importance_sampling, max_completion_length=7,
-                   beta=0.04, temperature=0.7, eps_high=1.2 if loss_type == "cispo" else 0.28)  # fmt: skip
+    options = dict(
+        loss_type=loss_type,
+        importance_sampling=importance_sampling,
+        max_completion_length=7,
+        beta=0.04,
+        temperature=0.7,
+        eps_high=1.2 if loss_type == "cispo" else 0.28,
+    )
     out, _ = assert_matches_reference(batch, 1e-5, **options)
     if importance_sampling == "token" and loss_type not in ("sapo", "cispo"):
         assert out.clip_ratio_low > 0 and out.clip_ratio_high > 0  # both clip bounds crossed
@@ -290,10 +296,16 @@ def test_group_advantages_tiles(scale, layout):
         args, kwargs = (rewards, G), dict(reward_weights=weights)
     want = reference.group_advantages(*args, scale=scale, **kwargs)
     flat = args[0].reshape(-1) if layout == "groups" else args[0]
-    got = group_advantages_triton(flat.to(DEVICE), G, scale=scale, block_groups=2,
-                                  reward_weights=None if layout != "columns" else weights.to(DEVICE))  # fmt: skip
-    public = grpo_fast.group_advantages(args[0].to(DEVICE), args[1], scale=scale,
-                                        **({k: v.to(DEVICE) for k, v in kwargs.items()}))  # fmt: skip
+    got = group_advantages_triton(
+        flat.to(DEVICE),
+        G,
+        scale=scale,
+        block_groups=2,
+        reward_weights=None if layout != "columns" else weights.to(DEVICE),
+    )
+    public = grpo_fast.group_advantages(
+        args[0].to(DEVICE), args[1], scale=scale, **({k: v.to(DEVICE) for k, v in kwargs.items()})
+    )
     for out in (got, public):
         for name, a, b in zip(want._fields, out, want):
             assert a.shape == b.shape and a.dtype == torch.float32, name

@@ -6,7 +6,16 @@ import pytest
 
 from grpo_fast.bench import memory
 
-RESULT_KEYS = ("peak_bytes", "first_step_peak_bytes", "step_s", "params_bytes", "grads_bytes", "optimizer_bytes", "logits_bytes", "rest_bytes")
+RESULT_KEYS = (
+    "peak_bytes",
+    "first_step_peak_bytes",
+    "step_s",
+    "params_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "logits_bytes",
+    "rest_bytes",
+)
 
 
 @pytest.mark.slow
@@ -59,7 +68,9 @@ def test_model_path_that_is_not_a_causal_lm(tmp_path):
         memory.run_memory_benchmark(preset="tiny", model=str(tmp_path))
     masked_lm = tmp_path / "bert"
     BertConfig(architectures=["BertForMaskedLM"]).save_pretrained(masked_lm)
-    with pytest.raises(ValueError, match=r"is not a causal LM \(model_type 'bert', architectures \['BertForMaskedLM'\]"):
+    with pytest.raises(
+        ValueError, match=r"is not a causal LM \(model_type 'bert', architectures \['BertForMaskedLM'\]"
+    ):
         memory.run_memory_benchmark(preset="tiny", model=str(masked_lm))
     vision = tmp_path / "vit"
     ViTConfig().save_pretrained(vision)
@@ -88,12 +99,28 @@ def test_worker_trains_a_saved_model(tmp_path):
     # --model PATH: a causal LM saved with save_pretrained runs through the PPO worker (in this process).
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
     memory.check_causal_lm(str(tmp_path / "llama"))
-    spec = dict(memory.preset_settings("tiny"), model_path=str(tmp_path / "llama"), preset="tiny", group_size=4,
-                beta=0.1, repeats=1, jobs=1, device="cpu", config="ppo")  # fmt: skip
+    spec = dict(
+        memory.preset_settings("tiny"),
+        model_path=str(tmp_path / "llama"),
+        preset="tiny",
+        group_size=4,
+        beta=0.1,
+        repeats=1,
+        jobs=1,
+        device="cpu",
+        config="ppo",
+    )
     result = memory.worker(spec)
     params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
     decoder = params - 50 * 16  # the critic copies the decoder, not the untied LM head

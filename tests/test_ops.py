@@ -116,8 +116,19 @@ def test_grpo_loss_matrix(backend, loss_type, importance_sampling, regime, kl):
         dict(beta=0.1, kl_bias_correction=True),
         dict(loss_type="dapo", beta=0.1, kl_estimator="k2", kl_bias_correction=True),
     ],
-    ids=["temp0.7", "temp1.3_k1", "k2", "delta", "dual_clip", "bnpo_dual_delta", "dapo_num_items", "entropy", "sapo_tau",
-         "kl_bias", "dapo_k2_kl_bias"],  # fmt: skip
+    ids=[
+        "temp0.7",
+        "temp1.3_k1",
+        "k2",
+        "delta",
+        "dual_clip",
+        "bnpo_dual_delta",
+        "dapo_num_items",
+        "entropy",
+        "sapo_tau",
+        "kl_bias",
+        "dapo_k2_kl_bias",
+    ],
 )
 @pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
 def test_grpo_loss_options(backend, options, importance_sampling):
@@ -156,8 +167,9 @@ def test_empty_mask_row_and_all_masked(backend):
     assert torch.isfinite(out.loss)
     case["mask"].zero_()
     logits = case["logits"].detach().requires_grad_()
-    out = grpo_fast.grpo_loss(logits, case["ids"], case["advantages"], case["mask"], beta=0.04,
-                              ref_logprobs=case["ref_logprobs"])  # fmt: skip
+    out = grpo_fast.grpo_loss(
+        logits, case["ids"], case["advantages"], case["mask"], beta=0.04, ref_logprobs=case["ref_logprobs"]
+    )
     out.loss.backward()
     assert out.loss.item() == 0.0 and logits.grad.abs().max().item() == 0.0
 
@@ -171,9 +183,18 @@ def test_all_masked_batch_is_zero_not_nan(backend, loss_type, num_items):
     case["mask"].zero_()
     logits = case["logits"].detach().requires_grad_()
     n = torch.tensor(0.0) if num_items == "tensor0" else num_items
-    out = grpo_fast.grpo_loss(logits, case["ids"], case["advantages"], case["mask"], case["old_logprobs"],
-                              case["ref_logprobs"], loss_type=loss_type, beta=0.04, num_items_in_batch=n,
-                              eps_high=5.0 if loss_type == "cispo" else None)  # fmt: skip
+    out = grpo_fast.grpo_loss(
+        logits,
+        case["ids"],
+        case["advantages"],
+        case["mask"],
+        case["old_logprobs"],
+        case["ref_logprobs"],
+        loss_type=loss_type,
+        beta=0.04,
+        num_items_in_batch=n,
+        eps_high=5.0 if loss_type == "cispo" else None,
+    )
     out.loss.backward()
     assert out.loss.item() == 0.0 and logits.grad.abs().max().item() == 0.0
     assert all(getattr(out, k).item() == 0.0 for k in ("kl", "clip_ratio_low", "clip_ratio_high", "ratio_mean"))
@@ -188,8 +209,9 @@ def test_bias_corrected_kl_gradient_on_policy(backend):
         out = check_against_reference(case, 1e-5, beta=0.1, kl_bias_correction=corrected)
         logits = case["logits"].detach().requires_grad_()
         args = (case["ids"], case["advantages"], case["mask"], None, case["ref_logprobs"])
-        (grad,) = torch.autograd.grad(grpo_fast.grpo_loss(logits, *args, beta=0.1, kl_bias_correction=corrected).loss,
-                                      logits)  # fmt: skip
+        (grad,) = torch.autograd.grad(
+            grpo_fast.grpo_loss(logits, *args, beta=0.1, kl_bias_correction=corrected).loss, logits
+        )
         grads.append((out.loss.item(), grad))
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
     assert rel_err(grads[1][1], grads[0][1]) > 1e-3
@@ -261,7 +283,9 @@ def test_dapo_microbatch_split_gives_same_gradient(backend, loss_type):
     equal the full-batch gradient, whatever the split."""
     case = make_case(B=4, T=5, V=53, regime="clipped", seq_adv=False, seed=9)
     n_items = case["mask"].sum()
-    options = dict(loss_type=loss_type, num_items_in_batch=n_items, beta=0.04, eps_high=1.5 if loss_type == "cispo" else 0.2)
+    options = dict(
+        loss_type=loss_type, num_items_in_batch=n_items, beta=0.04, eps_high=1.5 if loss_type == "cispo" else 0.2
+    )
     keys = ("ids", "advantages", "mask", "old_logprobs", "ref_logprobs")
 
     full = case["logits"].detach().requires_grad_()
@@ -295,8 +319,16 @@ def test_no_float32_vocab_sized_temporaries(backend, monkeypatch):
     case = make_case(B=B, T=T, V=V, dtype=torch.bfloat16, regime="clipped", seed=10)
     logits = case["logits"].detach().requires_grad_()
     with LargestFloat32() as mode:
-        out = grpo_fast.grpo_loss(logits, case["ids"], case["advantages"], case["mask"], case["old_logprobs"],
-                                  case["ref_logprobs"], beta=0.04, return_entropy=True)  # fmt: skip
+        out = grpo_fast.grpo_loss(
+            logits,
+            case["ids"],
+            case["advantages"],
+            case["mask"],
+            case["old_logprobs"],
+            case["ref_logprobs"],
+            beta=0.04,
+            return_entropy=True,
+        )
         out.loss.backward()
     assert logits.grad.dtype == torch.bfloat16
     assert mode.largest < B * T * V // 4, mode.largest
@@ -346,8 +378,15 @@ def test_bad_input(backend, mutate, error, match):
     case, options = _good_args()
     mutate(case, options)
     with pytest.raises(error, match=match):
-        grpo_fast.grpo_loss(case["logits"], case["ids"], case["advantages"], case["mask"], case["old_logprobs"],
-                            case["ref_logprobs"], **options)  # fmt: skip
+        grpo_fast.grpo_loss(
+            case["logits"],
+            case["ids"],
+            case["advantages"],
+            case["mask"],
+            case["old_logprobs"],
+            case["ref_logprobs"],
+            **options,
+        )
 
 
 def test_bad_input_token_logprobs(backend):
@@ -371,8 +410,14 @@ def test_policy_loss_from_logprobs_matches_reference(backend, loss_type, importa
     logp64 = reference.token_logprobs(case["logits"].double(), case["ids"]).requires_grad_()
     entropy = torch.rand(logp64.shape, dtype=torch.float64)
     args = (case["advantages"], case["mask"], case["old_logprobs"], case["ref_logprobs"])
-    options = dict(loss_type=loss_type, importance_sampling=importance_sampling, max_completion_length=8, beta=0.04,
-                   eps_high=1.2 if loss_type == "cispo" else 0.28, kl_bias_correction=True)  # fmt: skip
+    options = dict(
+        loss_type=loss_type,
+        importance_sampling=importance_sampling,
+        max_completion_length=8,
+        beta=0.04,
+        eps_high=1.2 if loss_type == "cispo" else 0.28,
+        kl_bias_correction=True,
+    )
     logp = logp64.detach().float().requires_grad_()
     out = grpo_fast.policy_loss(logp, *args, entropy=entropy.float(), **options)
     (grad,) = torch.autograd.grad(out.loss, logp)

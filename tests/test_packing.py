@@ -32,9 +32,18 @@ def float64_trainer(tmp_path, **overrides) -> GRPOTrainer:
     of 1 to 6 tokens, a KL term, and a token budget that cuts the batch into several packs."""
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=2, num_key_value_heads=2).double()
-    config = GRPOConfig(batch_size=16, group_size=4, max_new_tokens=6, beta=0.1, max_tokens_per_micro_batch=30,
-                        eps_high=5.0 if overrides.get("loss_type") == "cispo" else None, progress=False,
-                        output_dir=str(tmp_path), generator="sampler", **overrides)  # fmt: skip
+    config = GRPOConfig(
+        batch_size=16,
+        group_size=4,
+        max_new_tokens=6,
+        beta=0.1,
+        max_tokens_per_micro_batch=30,
+        eps_high=5.0 if overrides.get("loss_type") == "cispo" else None,
+        progress=False,
+        output_dir=str(tmp_path),
+        generator="sampler",
+        **overrides,
+    )
     return GRPOTrainer(config, model=model, tokenizer=tokenizer)
 
 
@@ -42,9 +51,17 @@ def padded_step(trainer, batch, num_items):
     """The padded truth: loss output and parameter gradients of one full-batch backward."""
     C = batch.completion_mask.shape[1]
     logits = completion_logits(trainer.policy, batch.input_ids, batch.attention_mask, C)
-    out = grpo_loss(logits, batch.input_ids[:, -C:], batch.advantages.advantages, batch.completion_mask,
-                    batch.old_logprobs, batch.ref_logprobs, num_items_in_batch=num_items, return_entropy=True,
-                    loss_config=trainer.loss_config)  # fmt: skip
+    out = grpo_loss(
+        logits,
+        batch.input_ids[:, -C:],
+        batch.advantages.advantages,
+        batch.completion_mask,
+        batch.old_logprobs,
+        batch.ref_logprobs,
+        num_items_in_batch=num_items,
+        return_entropy=True,
+        loss_config=trainer.loss_config,
+    )
     out.loss.backward()
     return out, gradients(trainer)
 
@@ -67,8 +84,11 @@ def off_policy_batch(trainer):
     old = completion_logprobs(trainer.policy, batch.input_ids, batch.attention_mask, C)
     noise = 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=old.dtype)
     advantages = torch.randn(batch.completion_mask.shape[0], generator=torch.Generator().manual_seed(1))
-    return dataclasses.replace(batch, old_logprobs=(old + noise) * batch.completion_mask,
-                               advantages=batch.advantages._replace(advantages=advantages))  # fmt: skip
+    return dataclasses.replace(
+        batch,
+        old_logprobs=(old + noise) * batch.completion_mask,
+        advantages=batch.advantages._replace(advantages=advantages),
+    )
 
 
 def assert_packed_equals_padded(trainer):

@@ -110,8 +110,16 @@ def one_thread():
 
 def test_ppo_learns_the_demo_task(tmp_path, one_thread):
     # The demo task with a batch and learning rate at which 20 steps show the rise.
-    config = PPOConfig(steps=20, batch_size=64, group_size=8, learning_rate=3e-3, beta=0.02, progress=False,
-                       save_every=0, output_dir=str(tmp_path))  # fmt: skip
+    config = PPOConfig(
+        steps=20,
+        batch_size=64,
+        group_size=8,
+        learning_rate=3e-3,
+        beta=0.02,
+        progress=False,
+        save_every=0,
+        output_dir=str(tmp_path),
+    )
     trainer = PPOTrainer(config)
     history = [trainer.train_step() for _ in range(config.steps)]
     first = sum(m["reward_mean"] for m in history[:3]) / 3

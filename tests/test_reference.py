@@ -12,9 +12,27 @@ import torch
 from grpo_fast import reference
 
 
-def scalar_loss(logp, old, ref, adv, mask, *, beta=0.0, eps_low=0.2, eps_high=None, delta=None,
-                loss_type="grpo", level="token", L=None, n_items=None, dual_clip=None, iw=None,
-                kl="k3", tau_pos=1.0, tau_neg=1.05):  # fmt: skip
+def scalar_loss(
+    logp,
+    old,
+    ref,
+    adv,
+    mask,
+    *,
+    beta=0.0,
+    eps_low=0.2,
+    eps_high=None,
+    delta=None,
+    loss_type="grpo",
+    level="token",
+    L=None,
+    n_items=None,
+    dual_clip=None,
+    iw=None,
+    kl="k3",
+    tau_pos=1.0,
+    tau_neg=1.05,
+):
     """One token at a time, with Python floats."""
     eps_high = eps_low if eps_high is None else eps_high
     B, T = len(logp), len(logp[0])
@@ -89,8 +107,15 @@ def test_reference_matches_scalar_transcription(case):
     mask[3] = 0  # an empty row
 
     want = scalar_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), **options)
-    renames = dict(level="importance_sampling", L="max_completion_length", n_items="num_items_in_batch",
-                   kl="kl_estimator", tau_pos="sapo_tau_pos", tau_neg="sapo_tau_neg", iw="importance_weights")  # fmt: skip
+    renames = dict(
+        level="importance_sampling",
+        L="max_completion_length",
+        n_items="num_items_in_batch",
+        kl="kl_estimator",
+        tau_pos="sapo_tau_pos",
+        tau_neg="sapo_tau_neg",
+        iw="importance_weights",
+    )
     kwargs = {renames.get(k, k): v for k, v in options.items()}
     if "importance_weights" in kwargs:
         kwargs["importance_weights"] = torch.tensor(kwargs["importance_weights"], dtype=torch.float64)

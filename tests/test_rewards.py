@@ -9,22 +9,34 @@ import pytest
 
 from grpo_fast.rewards import extract_answer, format_reward, math_reward, none_on_error, overlong_penalty
 
-
 # ---------------------------------------------------------------- answer extraction
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("so the total is \\boxed{\\frac{3}{4}}.", "\\frac{3}{4}"),
-    ("first \\boxed{1}, corrected: \\boxed{x^{2}+1}", "x^{2}+1"),  # last box, nested braces
-    ("\\fbox{12}", "12"),
-    ("She has 42 apples.\n#### 42", "42"),
-    ("He pays 1,250 dollars in total.\n#### 1,250\n", "1,250"),
-    ("<think>2 + 2</think><answer> 4 </answer>", "4"),
-    ("It costs 3 dollars, then 5 more, so 8.", "8"),
-    ("The temperature dropped to -7.5 degrees.", "-7.5"),
-    ("no number here", None),
-], ids=["boxed-frac", "last-boxed-nested", "fbox", "gsm8k", "gsm8k-comma", "answer-tag", "last-number",
-        "negative-decimal", "none"])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so the total is \\boxed{\\frac{3}{4}}.", "\\frac{3}{4}"),
+        ("first \\boxed{1}, corrected: \\boxed{x^{2}+1}", "x^{2}+1"),  # last box, nested braces
+        ("\\fbox{12}", "12"),
+        ("She has 42 apples.\n#### 42", "42"),
+        ("He pays 1,250 dollars in total.\n#### 1,250\n", "1,250"),
+        ("<think>2 + 2</think><answer> 4 </answer>", "4"),
+        ("It costs 3 dollars, then 5 more, so 8.", "8"),
+        ("The temperature dropped to -7.5 degrees.", "-7.5"),
+        ("no number here", None),
+    ],
+    ids=[
+        "boxed-frac",
+        "last-boxed-nested",
+        "fbox",
+        "gsm8k",
+        "gsm8k-comma",
+        "answer-tag",
+        "last-number",
+        "negative-decimal",
+        "none",
+    ],
+)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
@@ -32,30 +44,48 @@ def test_extract_answer(text, expected):
 # ---------------------------------------------------------------- math_reward
 
 
-@pytest.mark.parametrize("completion, reference", [
-    ("The answer is \\boxed{0.5}", "\\frac{1}{2}"),
-    ("\\boxed{\\dfrac{1}{2}}", "\\frac12"),
-    ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}"),
-    ("\\boxed{(x+1)^2}", "x^2 + 2x + 1"),
-    ("\\boxed{\\frac{\\pi}{2}}", "\\pi/2"),
-    ("\\boxed{\\{2, 1\\}}", "\\{1, 2\\}"),
-    ("So she pays $1,000.", "1000"),
-    ("#### 42", "Natalia sold 48/2 = 24 clips in May, 48 + 24 = 72 in all... #### 42"),
-    ("\\boxed{6}", "Adding 7 gives $3x = 18$, so $x = \\boxed{6}$."),
-    ("\\boxed{42.0}", "42"),
-], ids=["decimal-vs-frac", "dfrac", "sqrt", "expanded-poly", "pi", "set-order", "comma-number", "gsm8k-reference",
-        "math-solution-reference", "float-int"])
+@pytest.mark.parametrize(
+    "completion, reference",
+    [
+        ("The answer is \\boxed{0.5}", "\\frac{1}{2}"),
+        ("\\boxed{\\dfrac{1}{2}}", "\\frac12"),
+        ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}"),
+        ("\\boxed{(x+1)^2}", "x^2 + 2x + 1"),
+        ("\\boxed{\\frac{\\pi}{2}}", "\\pi/2"),
+        ("\\boxed{\\{2, 1\\}}", "\\{1, 2\\}"),
+        ("So she pays $1,000.", "1000"),
+        ("#### 42", "Natalia sold 48/2 = 24 clips in May, 48 + 24 = 72 in all... #### 42"),
+        ("\\boxed{6}", "Adding 7 gives $3x = 18$, so $x = \\boxed{6}$."),
+        ("\\boxed{42.0}", "42"),
+    ],
+    ids=[
+        "decimal-vs-frac",
+        "dfrac",
+        "sqrt",
+        "expanded-poly",
+        "pi",
+        "set-order",
+        "comma-number",
+        "gsm8k-reference",
+        "math-solution-reference",
+        "float-int",
+    ],
+)
 def test_math_reward_accepts_equivalent_answers(completion, reference):
     assert math_reward(["q"], [completion], answer=[reference]) == [1.0]
 
 
-@pytest.mark.parametrize("completion, reference", [
-    ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}"),
-    ("\\boxed{x^2 + 2x}", "(x+1)^2"),
-    ("#### 41", "#### 42"),
-    ("I am not sure.", "7"),
-    ("\\boxed{-3}", "3"),
-], ids=["wrong-frac", "wrong-poly", "wrong-number", "no-answer", "sign"])
+@pytest.mark.parametrize(
+    "completion, reference",
+    [
+        ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}"),
+        ("\\boxed{x^2 + 2x}", "(x+1)^2"),
+        ("#### 41", "#### 42"),
+        ("I am not sure.", "7"),
+        ("\\boxed{-3}", "3"),
+    ],
+    ids=["wrong-frac", "wrong-poly", "wrong-number", "no-answer", "sign"],
+)
 def test_math_reward_rejects_wrong_answers(completion, reference):
     assert math_reward(["q"], [completion], answer=[reference]) == [0.0]
 
@@ -124,7 +154,9 @@ def dapo_overlong(length: int, max_length: int, buffer_length: int) -> float:
 def test_overlong_penalty_matches_dapo():
     lengths = [0, 11, 12, 13, 14, 15, 16, 17, 40]
     ids = [[1] * n for n in lengths]
-    got = overlong_penalty(["q"] * len(lengths), ["c"] * len(lengths), max_length=16, buffer_length=4, completion_ids=ids)
+    got = overlong_penalty(
+        ["q"] * len(lengths), ["c"] * len(lengths), max_length=16, buffer_length=4, completion_ids=ids
+    )
     assert got == pytest.approx([dapo_overlong(n, 16, 4) for n in lengths])
     assert got[lengths.index(14)] == -0.5 and got[lengths.index(16)] == -1.0
 
@@ -134,8 +166,9 @@ def test_overlong_penalty_with_a_tokenizer():
         def encode(self, text, add_special_tokens=True):
             return list(text) + (["<eos>"] if add_special_tokens else [])
 
-    got = overlong_penalty(["q"] * 3, ["abc", "abcdef", "abcdefgh"], max_length=8, buffer_length=4,
-                           tokenizer=CharTokenizer())
+    got = overlong_penalty(
+        ["q"] * 3, ["abc", "abcdef", "abcdefgh"], max_length=8, buffer_length=4, tokenizer=CharTokenizer()
+    )
     assert got == pytest.approx([0.0, -0.5, -1.0])
 
 

@@ -57,8 +57,14 @@ def test_greedy_equals_hugging_face_generate(model, tokenizer):
         stopping.lm_head.weight = torch.nn.Parameter(stopping.lm_head.weight.clone())
         stopping.lm_head.weight[tokenizer.eos_token_id] = 1.05 * stopping.lm_head.weight[first]
     out = sampler(stopping, tokenizer, top_k=1).generate(PROMPTS, 2, list(range(len(PROMPTS))))
-    truth = stopping.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8,
-                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    truth = stopping.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     C = out.completion_mask.shape[1]
     assert torch.equal(out.input_ids, truth[:, : ids.shape[1] + C])
     assert (truth[:, ids.shape[1] + C :] == tokenizer.pad_token_id).all()
@@ -147,9 +153,7 @@ def test_sample_tokens_is_row_wise_exact():
     torch.testing.assert_close(logp, (logits / 0.7).log_softmax(-1).gather(1, tokens[:, None])[:, 0])
 
 
-@pytest.mark.parametrize(
-    "options", [dict(), dict(top_k=4), dict(top_p=0.7)], ids=["full", "top_k", "top_p"]
-)
+@pytest.mark.parametrize("options", [dict(), dict(top_k=4), dict(top_p=0.7)], ids=["full", "top_k", "top_p"])
 def test_first_token_distribution_is_the_models(model, tokenizer, options):
     """4000 samples of one prompt's first token against softmax(logits / T), filtered and
     renormalised by top-k / top-p as Hugging Face does: Pearson's chi-square under its 99.9%

@@ -81,8 +81,11 @@ def test_loss_config_object_equals_keywords_and_not_both(monkeypatch):
 
 
 def test_trainer_config_rejects_loss_options_before_loading_anything():
-    for options, match in ((dict(eps_low=1.5), "eps_low must be < 1"), (dict(delta=0.9), "delta must be"),
-                           (dict(dual_clip=1.0), "dual_clip must be")):  # fmt: skip
+    for options, match in (
+        (dict(eps_low=1.5), "eps_low must be < 1"),
+        (dict(delta=0.9), "delta must be"),
+        (dict(dual_clip=1.0), "dual_clip must be"),
+    ):
         with pytest.raises(ValueError, match=match):
             GRPOConfig(**options).validate()
     assert GRPOConfig(loss_type="dr_grpo", max_new_tokens=7).loss_config().max_completion_length == 7
@@ -118,17 +121,34 @@ def test_toy_loss_type_reaches_the_reference_and_every_backend(toy_loss_type, ba
     monkeypatch.setenv("GRPO_FAST_BACKEND", backend)
     case = make_case(regime="clipped", seed=5)
     logits64 = case["logits"].double().requires_grad_()
-    ref_out = reference.grpo_loss(logits64, case["ids"], case["advantages"], case["mask"], case["old_logprobs"],
-                                  case["ref_logprobs"], loss_type=toy_loss_type, beta=0.04)  # fmt: skip
+    ref_out = reference.grpo_loss(
+        logits64,
+        case["ids"],
+        case["advantages"],
+        case["mask"],
+        case["old_logprobs"],
+        case["ref_logprobs"],
+        loss_type=toy_loss_type,
+        beta=0.04,
+    )
     logp = reference.token_logprobs(logits64, case["ids"])
-    want = by_hand(logp, case["old_logprobs"], case["advantages"].double(), case["mask"].double(),
-                   case["ref_logprobs"], 0.04)  # fmt: skip
+    want = by_hand(
+        logp, case["old_logprobs"], case["advantages"].double(), case["mask"].double(), case["ref_logprobs"], 0.04
+    )
     assert ref_out.loss.item() == pytest.approx(want.item(), rel=1e-12)
     (ref_grad,) = torch.autograd.grad(ref_out.loss, logits64)
 
     logits = case["logits"].detach().requires_grad_()
-    out = grpo_fast.grpo_loss(logits, case["ids"], case["advantages"], case["mask"], case["old_logprobs"],
-                              case["ref_logprobs"], loss_type=toy_loss_type, beta=0.04)  # fmt: skip
+    out = grpo_fast.grpo_loss(
+        logits,
+        case["ids"],
+        case["advantages"],
+        case["mask"],
+        case["old_logprobs"],
+        case["ref_logprobs"],
+        loss_type=toy_loss_type,
+        beta=0.04,
+    )
     (grad,) = torch.autograd.grad(out.loss, logits)
     assert rel_err(out.loss, ref_out.loss) < 1e-5 and rel_err(grad, ref_grad) < 1e-5
     assert rel_err(out.ratio_mean, ref_out.ratio_mean) < 1e-6 and out.clip_ratio_region > 0
@@ -149,8 +169,16 @@ def test_toy_loss_type_reaches_the_trainers_micro_batch_weights(toy_loss_type, t
     """Micro-batches of 3 rows (uneven token counts) accumulate the full batch's gradient:
     the trainer weighs each micro-batch's loss by the toy type's aggregation (token counts)."""
     tokenizer = build_tokenizer()
-    config = GRPOConfig(loss_type=toy_loss_type, batch_size=12, group_size=4, max_new_tokens=3, beta=0.1,
-                        num_iterations=2, progress=False, output_dir=str(tmp_path))  # fmt: skip
+    config = GRPOConfig(
+        loss_type=toy_loss_type,
+        batch_size=12,
+        group_size=4,
+        max_new_tokens=3,
+        beta=0.1,
+        num_iterations=2,
+        progress=False,
+        output_dir=str(tmp_path),
+    )
     trainer = GRPOTrainer(config, model=build_model(tokenizer), tokenizer=tokenizer)
     batch = trainer.compute_advantages(trainer.make_rollout())
     batch.advantages = batch.advantages._replace(advantages=torch.randn(12))  # a signal, whatever was sampled
@@ -166,6 +194,8 @@ def test_toy_loss_type_reaches_the_trainers_micro_batch_weights(toy_loss_type, t
     # a rows-count weighting would differ: the token-count rule is what made them equal
     rows = spec.AGGREGATIONS["sequence_mean"].micro_batch_weight(3, 5.0, 12, 20.0, trainer.loss_config)
     tokens = spec.AGGREGATIONS["batch_tokens"].micro_batch_weight(3, 5.0, 12, 20.0, trainer.loss_config)
-    assert rows == 0.25 and tokens == 0.25 and spec.AGGREGATIONS["batch_tokens"].micro_batch_weight(
-        3, 8.0, 12, 20.0, trainer.loss_config
-    ) == 0.4
+    assert (
+        rows == 0.25
+        and tokens == 0.25
+        and spec.AGGREGATIONS["batch_tokens"].micro_batch_weight(3, 8.0, 12, 20.0, trainer.loss_config) == 0.4
+    )

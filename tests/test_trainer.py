@@ -324,9 +324,13 @@ def test_every_loss_option_reaches_the_loss(tmp_path):
     config = small_config(tmp_path, loss_type="sapo", sapo_tau_pos=2.0, sapo_tau_neg=0.5, kl_bias_correction=True)
     trainer = GRPOTrainer(config)
     assert trainer.loss_config == grpo_fast.LossConfig(
-        beta=config.beta, loss_type="sapo", sapo_tau_pos=2.0, sapo_tau_neg=0.5, kl_bias_correction=True,
+        beta=config.beta,
+        loss_type="sapo",
+        sapo_tau_pos=2.0,
+        sapo_tau_neg=0.5,
+        kl_bias_correction=True,
         max_completion_length=config.max_new_tokens,
-    )  # fmt: skip
+    )
     trainer.train_step()
 
 
@@ -356,8 +360,13 @@ class ScriptedEngine:
 
         self.calls.append(list(keys))
         texts = [str(i) for _ in prompts for i in range(group_size)]
-        enc = self.tokenizer([p for p in prompts for _ in range(group_size)], return_tensors="pt", padding=True,
-                             padding_side="left", add_special_tokens=False)  # fmt: skip
+        enc = self.tokenizer(
+            [p for p in prompts for _ in range(group_size)],
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=False,
+        )
         ids = torch.tensor([[self.tokenizer.convert_tokens_to_ids(t), self.tokenizer.eos_token_id] for t in texts])
         ones = torch.ones_like(ids)
         input_ids = torch.cat([enc["input_ids"], ids], 1)
@@ -403,8 +412,10 @@ def test_dynamic_sampling_keeps_only_groups_with_a_signal(tmp_path, monkeypatch)
 
 
 def test_dynamic_sampling_without_any_signal_makes_no_update(tmp_path):
-    trainer = GRPOTrainer(small_config(tmp_path, dynamic_sampling=True, max_sampling_rounds=2),
-                          reward_funcs=[lambda prompts, completions, **columns: [1.0] * len(prompts)])  # fmt: skip
+    trainer = GRPOTrainer(
+        small_config(tmp_path, dynamic_sampling=True, max_sampling_rounds=2),
+        reward_funcs=[lambda prompts, completions, **columns: [1.0] * len(prompts)],
+    )
     before = trainer.trainable_state()
     metrics = trainer.train_step()
     assert metrics["groups_dropped"] == 8 and metrics["sampling_rounds"] == 2

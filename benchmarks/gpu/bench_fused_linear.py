@@ -93,8 +93,15 @@ def check(importance_sampling):
     errors.update(
         {f"grad_{name}": rel_err(g, w) for name, g, w in zip(("hidden", "weight", "bias"), grads, want_grads)}
     )
-    return dict(check=f"fused_linear_grpo_loss {importance_sampling}", N=N, H=H, V=V, dtype="bfloat16",
-                passed=all(e < 1e-2 for e in errors.values()), **errors)  # fmt: skip
+    return dict(
+        check=f"fused_linear_grpo_loss {importance_sampling}",
+        N=N,
+        H=H,
+        V=V,
+        dtype="bfloat16",
+        passed=all(e < 1e-2 for e in errors.values()),
+        **errors,
+    )
 
 
 def matmul_rates(N, H, V):
@@ -128,8 +135,13 @@ def steps(batch):
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
     except ImportError:
         return variants
-    liger = LigerFusedLinearGRPOLoss(beta=LOSS["beta"], epsilon_low=LOSS["eps_low"], epsilon_high=LOSS["eps_high"],
-                                     loss_type=LOSS["loss_type"], compiled=not ARGS.dry_run)  # fmt: skip
+    liger = LigerFusedLinearGRPOLoss(
+        beta=LOSS["beta"],
+        epsilon_low=LOSS["eps_low"],
+        epsilon_high=LOSS["eps_high"],
+        loss_type=LOSS["loss_type"],
+        compiled=not ARGS.dry_run,
+    )
     ids, adv, mask, old, ref = loss_args(batch)
     variants["liger"] = lambda: run(liger(h, w, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)[0])
     return variants

@@ -96,8 +96,15 @@ class Report:
     def __init__(self, stage):
         name = torch.cuda.get_device_name() if DEVICE == "cuda" else f"CPU dry run ({platform.machine()})"
         self.path = os.path.join(ARGS.out, f"kernels_{stage}{'_dryrun' if ARGS.dry_run else ''}.json")
-        self.data = dict(stage=stage, device=name, dry_run=ARGS.dry_run, torch=torch.__version__,
-                         triton=triton.__version__, sms=SMS, date=time.strftime("%Y-%m-%d"))  # fmt: skip
+        self.data = dict(
+            stage=stage,
+            device=name,
+            dry_run=ARGS.dry_run,
+            torch=torch.__version__,
+            triton=triton.__version__,
+            sms=SMS,
+            date=time.strftime("%Y-%m-%d"),
+        )
         os.makedirs(ARGS.out, exist_ok=True)
 
     def add(self, section, row):
@@ -147,7 +154,10 @@ def check_loss(B, T, V, name, options, dtype, layout):
     ids = torch.randint(0, V, (B, T), device=DEVICE, generator=g)
     with torch.no_grad():
         logp = reference.token_logprobs(full[:, :-1].float(), ids)
-    old, ref = logp + 0.3 * torch.randn(B, T, device=DEVICE, generator=g), logp + 0.3 * torch.randn(B, T, device=DEVICE, generator=g)
+    old, ref = (
+        logp + 0.3 * torch.randn(B, T, device=DEVICE, generator=g),
+        logp + 0.3 * torch.randn(B, T, device=DEVICE, generator=g),
+    )
     adv = torch.randn(B, device=DEVICE, generator=g)
     lengths = torch.randint(1, T + 1, (B,), device=DEVICE, generator=g)
     mask = (torch.arange(T, device=DEVICE) < lengths[:, None]).float()
@@ -162,10 +172,18 @@ def check_loss(B, T, V, name, options, dtype, layout):
     (grad,) = torch.autograd.grad(out.loss, x)
     if inplace:
         assert grad.data_ptr() == x.data_ptr(), "inplace_backward did not write into the logits"
-    errors = dict(loss=rel_err(out.loss, want.loss), abs_loss=abs(out.loss.item() - want.loss.item()),
-                  grad=rel_err(grad, want_grad))  # fmt: skip
-    errors.update({f"abs_{m}": abs(getattr(out, m).item() - getattr(want, m).item()) for m in METRICS
-                   if getattr(want, m) is not None})  # fmt: skip
+    errors = dict(
+        loss=rel_err(out.loss, want.loss),
+        abs_loss=abs(out.loss.item() - want.loss.item()),
+        grad=rel_err(grad, want_grad),
+    )
+    errors.update(
+        {
+            f"abs_{m}": abs(getattr(out, m).item() - getattr(want, m).item())
+            for m in METRICS
+            if getattr(want, m) is not None
+        }
+    )
     fp32 = dtype == "float32"
     # A loss near 0 (advantages of both signs cancel) is judged in absolute terms; a clip metric
     # may differ by one token flipping across a bound.
@@ -173,8 +191,9 @@ def check_loss(B, T, V, name, options, dtype, layout):
     grad_ok = errors["grad"] < (1e-5 if fp32 else 1e-2)
     metrics_ok = all(v < 1e-3 for k, v in errors.items() if k.startswith("abs_") and k != "abs_loss")
     finite = bool(torch.isfinite(grad).all())
-    return dict(check=f"grpo_loss {name}", dtype=dtype, N=B * T, V=V, ok=loss_ok and grad_ok and metrics_ok and finite,
-                **errors)  # fmt: skip
+    return dict(
+        check=f"grpo_loss {name}", dtype=dtype, N=B * T, V=V, ok=loss_ok and grad_ok and metrics_ok and finite, **errors
+    )
 
 
 def check_logprobs(B, T, V, dtype):
@@ -220,9 +239,16 @@ def compiled_kernels():
             for caches in getattr(fn, "device_caches", {}).values() if name.endswith("_kernel") else ():
                 for kernel in caches[0].values():
                     constants = getattr(getattr(kernel, "src", None), "constants", {}) or {}
-                    rows.append(dict(kernel=name, n_regs=kernel.n_regs, n_spills=kernel.n_spills,
-                                     num_warps=kernel.metadata.num_warps, shared=kernel.metadata.shared,
-                                     constants={str(k): str(v) for k, v in constants.items()}))  # fmt: skip
+                    rows.append(
+                        dict(
+                            kernel=name,
+                            n_regs=kernel.n_regs,
+                            n_spills=kernel.n_spills,
+                            num_warps=kernel.metadata.num_warps,
+                            shared=kernel.metadata.shared,
+                            constants={str(k): str(v) for k, v in constants.items()},
+                        )
+                    )
     return rows
 
 
@@ -282,8 +308,13 @@ def timed_row(op, impl, step, floor_bytes, bandwidth, **shape):
     except Exception as error:  # a competitor failing must not hide the other rows
         return dict(row, error=f"{type(error).__name__}: {str(error)[:300]}")
     seconds = t["median_ms"] * 1e-3
-    return dict(row, **t, GBps=floor_bytes / seconds / 1e9, fraction_of_floor=floor_bytes / bandwidth / seconds,
-                peak_extra_bytes=cuda_peak_extra_bytes(step, DEVICE))  # fmt: skip
+    return dict(
+        row,
+        **t,
+        GBps=floor_bytes / seconds / 1e9,
+        fraction_of_floor=floor_bytes / bandwidth / seconds,
+        peak_extra_bytes=cuda_peak_extra_bytes(step, DEVICE),
+    )
 
 
 def gspo_step(batch):
@@ -291,8 +322,16 @@ def gspo_step(batch):
 
     def run():
         x = batch["logits"].detach().requires_grad_()
-        out = grpo_fast.grpo_loss(x, batch["ids"], batch["advantages"], batch["mask"], batch["old"], batch["ref"],
-                                  beta=BETA, importance_sampling="sequence")  # fmt: skip
+        out = grpo_fast.grpo_loss(
+            x,
+            batch["ids"],
+            batch["advantages"],
+            batch["mask"],
+            batch["old"],
+            batch["ref"],
+            beta=BETA,
+            importance_sampling="sequence",
+        )
         torch.autograd.grad(out.loss, x)
 
     return run
@@ -303,11 +342,21 @@ def gspo_step(batch):
 # torch.compile (tens of seconds of compiling per shape) and the slow reference last; the
 # in-place variant after every other reader of the logits it overwrites (its cost does not
 # depend on their values).
-TIME_ORDER = [("loss fwd+bwd", "fused"), ("loss fwd+bwd", "plain"), ("log-probs no-grad", "fused"),
-              ("log-probs no-grad", "plain"), ("loss fwd+bwd", "liger"), ("loss fwd+bwd", "trl"),
-              ("log-probs no-grad", "trl"), ("loss fwd+bwd", "fused GSPO (two-pass)"),
-              ("loss fwd+bwd", "compiled"), ("log-probs no-grad", "compiled"), ("loss fwd+bwd", "reference"),
-              ("log-probs no-grad", "reference"), ("loss fwd+bwd", "fused_inplace")]  # fmt: skip
+TIME_ORDER = [
+    ("loss fwd+bwd", "fused"),
+    ("loss fwd+bwd", "plain"),
+    ("log-probs no-grad", "fused"),
+    ("log-probs no-grad", "plain"),
+    ("loss fwd+bwd", "liger"),
+    ("loss fwd+bwd", "trl"),
+    ("log-probs no-grad", "trl"),
+    ("loss fwd+bwd", "fused GSPO (two-pass)"),
+    ("loss fwd+bwd", "compiled"),
+    ("log-probs no-grad", "compiled"),
+    ("loss fwd+bwd", "reference"),
+    ("log-probs no-grad", "reference"),
+    ("loss fwd+bwd", "fused_inplace"),
+]
 
 
 def stage_time():
@@ -337,7 +386,9 @@ def stage_time():
 
 def print_table(data):
     print(f"\n{data['device']}, bf16 logits, copy bandwidth {data['copy_bandwidth_GBps']:.0f} GB/s\n")
-    print("| op | N x V | implementation | median ms (p20-p80) | GB/s | of floor | peak extra MiB | speed-up vs plain |")
+    print(
+        "| op | N x V | implementation | median ms (p20-p80) | GB/s | of floor | peak extra MiB | speed-up vs plain |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in data["timings"]:
         head = f"| {r['op']} | {r['N']} x {r['V']} | {r['impl']} |"
@@ -346,8 +397,10 @@ def print_table(data):
             continue
         mem = "n/a" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.0f}"
         speed = f"{r['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in r else ""
-        print(f"{head} {r['median_ms']:.3f} ({r['p20_ms']:.3f}-{r['p80_ms']:.3f}) | {r['GBps']:.0f} | "
-              f"{r['fraction_of_floor']:.0%} | {mem} | {speed} |")  # fmt: skip
+        print(
+            f"{head} {r['median_ms']:.3f} ({r['p20_ms']:.3f}-{r['p80_ms']:.3f}) | {r['GBps']:.0f} | "
+            f"{r['fraction_of_floor']:.0%} | {mem} | {speed} |"
+        )
 
 
 # ---------------------------------------------------------------- sweep
@@ -376,8 +429,18 @@ def read_probe(report):
             t = bench(lambda: _read_probe_kernel[(programs,)](x, out, n // block, BLOCK=block, num_warps=warps))
             gbps = n * 2 / (t["median_ms"] * 1e-3) / 1e9
             in_flight = per_sm * block * 2
-            report.add("read_probe", dict(block=block, warps=warps, ctas_per_sm=per_sm, bytes_in_flight_per_sm=in_flight,
-                                          GBps=gbps, implied_latency_us=in_flight * SMS / (gbps * 1e9) * 1e6, **t))  # fmt: skip
+            report.add(
+                "read_probe",
+                dict(
+                    block=block,
+                    warps=warps,
+                    ctas_per_sm=per_sm,
+                    bytes_in_flight_per_sm=in_flight,
+                    GBps=gbps,
+                    implied_latency_us=in_flight * SMS / (gbps * 1e9) * 1e6,
+                    **t,
+                ),
+            )
 
 
 def stage_sweep():
@@ -401,25 +464,36 @@ def stage_sweep():
 
                     def step():
                         x = batch["logits"].detach().requires_grad_()
-                        out = grpo_fast.grpo_loss(x, *args, beta=BETA, return_entropy=entropy, inplace_backward=True,
-                                                  launch=launch)  # fmt: skip
+                        out = grpo_fast.grpo_loss(
+                            x, *args, beta=BETA, return_entropy=entropy, inplace_backward=True, launch=launch
+                        )
                         torch.autograd.grad(out.loss, x)
 
                     row = timed_row("loss fwd+bwd", "fused in-place", step, N * V * 4, bandwidth, N=N, V=V)
-                    row.update(entropy=entropy, programs=programs or N, **{k: v for k, v in launch.items() if k != "programs"})
+                    row.update(
+                        entropy=entropy, programs=programs or N, **{k: v for k, v in launch.items() if k != "programs"}
+                    )
                     report.add("loss", row)
         lse = torch.empty(B, T, device=DEVICE)
         for block in (1024, 2048, 4096, 8192, 16384):
             for entropy in (False, True):
                 fwd = lambda: logprobs_fwd(batch["logits"], batch["ids"], 1.0, entropy, block_v=block)  # noqa: E731
-                report.add("logprobs_fwd", dict(timed_row("log-probs fwd", "fused", fwd, N * V * 2, bandwidth, N=N, V=V),
-                                                block_v=block, entropy=entropy))  # fmt: skip
+                report.add(
+                    "logprobs_fwd",
+                    dict(
+                        timed_row("log-probs fwd", "fused", fwd, N * V * 2, bandwidth, N=N, V=V),
+                        block_v=block,
+                        entropy=entropy,
+                    ),
+                )
             out = torch.empty_like(batch["logits"])
             lse.copy_(logprobs_fwd(batch["logits"], batch["ids"], 1.0, False)[1])
             bwd = lambda: logprobs_bwd(batch["logits"], batch["ids"], lse, lse, 1.0, out, block_v=block)  # noqa: E731
-            report.add("logprobs_bwd", dict(timed_row("log-probs bwd", "fused", bwd, N * V * 4, bandwidth, N=N, V=V),
-                                            block_v=block))  # fmt: skip
-        del batch
+            report.add(
+                "logprobs_bwd",
+                dict(timed_row("log-probs bwd", "fused", bwd, N * V * 4, bandwidth, N=N, V=V), block_v=block),
+            )
+        batch = None  # the next shape's logits need the memory
     for section in ("loss", "logprobs_fwd", "logprobs_bwd"):
         rows = [r for r in report.data.get(section, []) if "median_ms" in r]
         for V in sorted({r["V"] for r in rows}):

@@ -34,7 +34,9 @@ GPU_MODEL = dict(
     num_key_value_heads=16,
     max_position_embeddings=512,
 )
-DRY_MODEL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=64)
+DRY_MODEL = dict(
+    vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=64
+)
 GPU_RUN = dict(batch_size=64, group_size=8, max_new_tokens=128, beta=0.04)
 DRY_RUN = dict(batch_size=8, group_size=4, max_new_tokens=8, beta=0.04)
 

@@ -54,8 +54,12 @@ MIN_STREAMING_WARPS = 16  # the CI rule: a streaming kernel below this cannot ke
 KNOB_BLOCKS = (1024, 2048, 4096, 8192, 16384)
 KNOB_WARPS = (4, 8, 16)
 # --knobs varies BLOCK_V and warps for the launches of these scenarios (the hot paths).
-KNOB_SCENARIOS = ("loss bf16 slice, entropy (trainer)", "loss bf16 slice", "logprobs bf16 fwd+bwd",
-                  "logprobs bf16 no grad, entropy (reference model)")  # fmt: skip
+KNOB_SCENARIOS = (
+    "loss bf16 slice, entropy (trainer)",
+    "loss bf16 slice",
+    "logprobs bf16 fwd+bwd",
+    "logprobs bf16 no grad, entropy (reference model)",
+)
 
 
 # ---------------------------------------------------------------- 1. capture (interpreter)
@@ -78,8 +82,14 @@ def scenarios():
             logits = (torch.randn(B, T, V, generator=g) * 2).to(dtype)
         ids = torch.randint(0, V, (B, T), generator=g)
         logp = torch.randn(B, T, generator=g) - 8
-        return dict(logits=logits, ids=ids, advantages=torch.randn(B, generator=g), mask=torch.ones(B, T),
-                    old_logprobs=logp + 0.2 * torch.randn(B, T, generator=g), ref_logprobs=logp)  # fmt: skip
+        return dict(
+            logits=logits,
+            ids=ids,
+            advantages=torch.randn(B, generator=g),
+            mask=torch.ones(B, T),
+            old_logprobs=logp + 0.2 * torch.randn(B, T, generator=g),
+            ref_logprobs=logp,
+        )
 
     def loss(V=151936, dtype=torch.bfloat16, layout="slice", grad=True, inplace=False, on_policy=False, T=3, **options):
         def run():
@@ -142,12 +152,18 @@ def scenarios():
         ("loss bf16 V=32001 (odd)", loss(V=32001, return_entropy=True, **kl)),
         ("loss bf16 transposed (stride_v != 1)", loss(layout="transposed", return_entropy=True, **small)),
         ("loss bf16 transposed, no entropy", loss(layout="transposed", **small)),
-        ("loss bf16 transposed T=16 (stride_v % 16 == 0)", loss(T=16, layout="transposed", return_entropy=True, **small)),
+        (
+            "loss bf16 transposed T=16 (stride_v % 16 == 0)",
+            loss(T=16, layout="transposed", return_entropy=True, **small),
+        ),
         ("loss fp32 transposed, entropy", loss(dtype=torch.float32, layout="transposed", return_entropy=True, **small)),
         ("loss bf16 contiguous, on-policy, beta 0", loss(V=32768, layout="contiguous", on_policy=True)),
         ("loss gspo (sequence)", loss(importance_sampling="sequence", return_entropy=True, **kl)),
-        ("loss gspo fp32 transposed", loss(dtype=torch.float32, layout="transposed", importance_sampling="sequence", V=32768)),
-    ]  # fmt: skip
+        (
+            "loss gspo fp32 transposed",
+            loss(dtype=torch.float32, layout="transposed", importance_sampling="sequence", V=32768),
+        ),
+    ]
     extra = dict(dr_grpo=dict(max_completion_length=8), cispo=dict(eps_high=5.0))
     for loss_type in ("bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"):
         cases.append((f"loss {loss_type}", loss(loss_type=loss_type, **extra.get(loss_type, {}), **small)))
@@ -163,8 +179,10 @@ def scenarios():
         ("fused linear bf16 sequence", fused_linear(importance_sampling="sequence", **kl)),
         ("fused linear fp32 token", fused_linear(dtype=torch.float32, **kl)),
     ]
-    cases += [(f"group_advantages N={n} G={g} K={k} {s}", advantages(n, g, k, s))
-              for n, g, k, s in ((64, 8, 1, "group"), (1024, 16, 3, "batch"), (256, 16, 2, "none"))]  # fmt: skip
+    cases += [
+        (f"group_advantages N={n} G={g} K={k} {s}", advantages(n, g, k, s))
+        for n, g, k, s in ((64, 8, 1, "group"), (1024, 16, 3, "batch"), (256, 16, 2, "none"))
+    ]
     return cases
 
 
@@ -194,9 +212,15 @@ def capture() -> list:
         bound.update({k: v for k, v in kwargs.items() if k in params})
         options = {k: v for k, v in kwargs.items() if k not in params}
         grid = grid if isinstance(grid, tuple) else (grid,)
-        launches.append(dict(kernel=f"{self.fn.__module__}:{self.fn.__name__}", scenario=current[0],
-                             args={k: describe(v) for k, v in bound.items()}, options=options,
-                             programs=int(grid[0])))  # fmt: skip
+        launches.append(
+            dict(
+                kernel=f"{self.fn.__module__}:{self.fn.__name__}",
+                scenario=current[0],
+                args={k: describe(v) for k, v in bound.items()},
+                options=options,
+                programs=int(grid[0]),
+            )
+        )
         return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run
@@ -259,7 +283,9 @@ def spills(ptxas_log: str) -> dict:
     """Spill stores and loads (bytes per thread) from ptxas's own ``-v`` report of the build."""
     found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
     if found is None:
-        raise RuntimeError(f"no ptxas -v report in the compile output (TRITON_DUMP_PTXAS_LOG unset?): {ptxas_log[:500]}")
+        raise RuntimeError(
+            f"no ptxas -v report in the compile output (TRITON_DUMP_PTXAS_LOG unset?): {ptxas_log[:500]}"
+        )
     return dict(spill_stores=int(found[1]), spill_loads=int(found[2]))
 
 
@@ -283,7 +309,6 @@ def compile_launches(launches: list, knobs: bool) -> list:
     """Compiles each distinct launch for every target; returns one row per compiled kernel."""
     import importlib
 
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
@@ -310,9 +335,15 @@ def compile_launches(launches: list, knobs: bool) -> list:
             fn.device_caches.clear()  # a binder built for the previous target would be reused
             args = [rebuild(job["args"][p]) for p in fn.arg_names]
             options = dict(job["options"])
-            row = dict(kernel=name, cc=cc, constexprs={p: job["args"][p]["value"] for p in fn.arg_names
-                                                       if fn.params[fn.arg_names.index(p)].is_constexpr},
-                       num_warps=options.get("num_warps", 4), knob_variant=job["knob"])  # fmt: skip
+            row = dict(
+                kernel=name,
+                cc=cc,
+                constexprs={
+                    p: job["args"][p]["value"] for p in fn.arg_names if fn.params[fn.arg_names.index(p)].is_constexpr
+                },
+                num_warps=options.get("num_warps", 4),
+                knob_variant=job["knob"],
+            )
             log = io.StringIO()
             try:
                 with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG prints ptxas -v here
@@ -326,9 +357,14 @@ def compile_launches(launches: list, knobs: bool) -> list:
             if key in seen:  # another launch that specialised to the same binary
                 seen[key]["scenarios"] += [s for s in job["scenarios"] if s not in seen[key]["scenarios"]]
                 continue
-            row.update(res_usage(kernel.asm["cubin"]), **spills(log.getvalue()), dynamic_shared=kernel.metadata.shared,
-                       pipelined=".shared" in kernel.asm["ptx"] and "cp.async" in kernel.asm["ptx"],
-                       bytes_per_element=_element_bytes(job["args"][fn.arg_names[0]]), scenarios=list(job["scenarios"]))  # fmt: skip
+            row.update(
+                res_usage(kernel.asm["cubin"]),
+                **spills(log.getvalue()),
+                dynamic_shared=kernel.metadata.shared,
+                pipelined=".shared" in kernel.asm["ptx"] and "cp.async" in kernel.asm["ptx"],
+                bytes_per_element=_element_bytes(job["args"][fn.arg_names[0]]),
+                scenarios=list(job["scenarios"]),
+            )
             row.update(occupancy(row, cc))
             seen[key] = row
             rows.append(row)
@@ -369,8 +405,10 @@ def problems(row: dict) -> list:
 
 
 def print_table(rows: list) -> None:
-    print("| kernel | cc | config | specialisation | regs | spill B | smem B | CTAs/SM | warps/SM | "
-          "KB in flight/SM | scenarios |")  # fmt: skip
+    print(
+        "| kernel | cc | config | specialisation | regs | spill B | smem B | CTAs/SM | warps/SM | "
+        "KB in flight/SM | scenarios |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         config = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in r["constexprs"].items())
@@ -381,8 +419,10 @@ def print_table(rows: list) -> None:
         smem = r["dynamic_shared"] + r["shared"]
         flight = f"{r['bytes_in_flight_per_sm'] / 1000:.0f}" if r["streaming"] else "-"
         used = r["scenarios"][0] + (f" (+{len(r['scenarios']) - 1})" if len(r["scenarios"]) > 1 else "")
-        print(f"| {r['kernel']} | {r['cc']} | {config} | {r.get('specialisation', '')} | {r['reg']} | "
-              f"{r['spill_stores']} | {smem} | {r['ctas_per_sm']} | {r['warps_per_sm']} | {flight} | {used} |")  # fmt: skip
+        print(
+            f"| {r['kernel']} | {r['cc']} | {config} | {r.get('specialisation', '')} | {r['reg']} | "
+            f"{r['spill_stores']} | {smem} | {r['ctas_per_sm']} | {r['warps_per_sm']} | {flight} | {used} |"
+        )
 
 
 # ---------------------------------------------------------------- driver
@@ -392,9 +432,16 @@ def run_step(step: str, env_update: dict, payload: str = "") -> str:
     """Runs this file's ``--step`` in a fresh interpreter (capture and compile need different
     TRITON_INTERPRET settings at import time, so neither may share a process with the other)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(env_update, GRPO_FAST_BACKEND="triton", PYTHONPATH=os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--step", step], input=payload, env=env,
-                          capture_output=True, text=True)  # fmt: skip
+    env.update(
+        env_update, GRPO_FAST_BACKEND="triton", PYTHONPATH=os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    )
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--step", step],
+        input=payload,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"occupancy.py --step {step} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -422,11 +469,15 @@ def main():
         row["problems"] = [] if row["knob_variant"] else problems(row)
     print_table(rows)
     failing = [r for r in rows if r["problems"]]
-    print(f"\n{len(launches)} launches captured, {len(rows)} compiled kernels; Little's law on an H200 needs "
-          f"{NEEDED_BYTES_PER_SM[0] // 1000}-{NEEDED_BYTES_PER_SM[1] // 1000} KB in flight per SM.")  # fmt: skip
+    print(
+        f"\n{len(launches)} launches captured, {len(rows)} compiled kernels; Little's law on an H200 needs "
+        f"{NEEDED_BYTES_PER_SM[0] // 1000}-{NEEDED_BYTES_PER_SM[1] // 1000} KB in flight per SM."
+    )
     for r in failing:
-        print(f"FAIL {r['kernel']} sm_{r['cc']} {r['constexprs']} warps={r['num_warps']} "
-              f"[{r.get('specialisation', '')}]: {'; '.join(r['problems'])}")  # fmt: skip
+        print(
+            f"FAIL {r['kernel']} sm_{r['cc']} {r['constexprs']} warps={r['num_warps']} "
+            f"[{r.get('specialisation', '')}]: {'; '.join(r['problems'])}"
+        )
     if args.json:
         import triton  # noqa: F401  (only for its version, in the report)
 

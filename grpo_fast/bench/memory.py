@@ -32,7 +32,6 @@ import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
 
 CONFIGS = ("ppo", "grpo_eager", "grpo_fused", "grpo_fused_linear")
 
@@ -41,21 +40,48 @@ CONFIGS = ("ppo", "grpo_eager", "grpo_fused", "grpo_fused_linear")
 # micro-batches, as a run whose memory is tight does, so the model's states are most of it.
 PRESETS = {
     "tiny": dict(
-        model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=4, vocab_size=1024),
-        batch=8, micro_batch=None, prompt_length=8, completion_length=16,
+        model=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=1024,
+        ),
+        batch=8,
+        micro_batch=None,
+        prompt_length=8,
+        completion_length=16,
     ),
     "100m": dict(
-        model=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=10, num_attention_heads=12,
-                   num_key_value_heads=12, vocab_size=32000),
-        batch=8, micro_batch=2, prompt_length=32, completion_length=96,
+        model=dict(
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=10,
+            num_attention_heads=12,
+            num_key_value_heads=12,
+            vocab_size=32000,
+        ),
+        batch=8,
+        micro_batch=2,
+        prompt_length=32,
+        completion_length=96,
     ),
     "1b": dict(  # TinyLlama-1.1B's shape; for a GPU (about 40 GB for PPO)
-        model=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                   num_key_value_heads=4, vocab_size=32000),
-        batch=16, micro_batch=4, prompt_length=256, completion_length=512,
+        model=dict(
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=22,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            vocab_size=32000,
+        ),
+        batch=16,
+        micro_batch=4,
+        prompt_length=256,
+        completion_length=512,
     ),
-}  # fmt: skip
+}
 _TOKENIZER_NOT_USED = object()  # the trainers need a tokenizer only to sample and to save
 # glibc raises its mmap threshold after each large free, so later tensors come from the heap and
 # freed ones stay resident; a fixed threshold keeps every tensor over 128 KiB in its own mapping.
@@ -169,7 +195,9 @@ def worker(spec: dict) -> dict:
     if spec["jobs"] > 1:  # processes side by side share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec["jobs"]))
     torch.manual_seed(0)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec["device"] == "auto" else spec["device"])
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if spec["device"] == "auto" else spec["device"]
+    )
     cuda = device.type == "cuda"
     baseline = torch.cuda.memory_allocated(device) if cuda else current_rss_bytes()
 
@@ -236,19 +264,19 @@ def worker(spec: dict) -> dict:
 def run_memory_benchmark(
     *,
     preset: str = "100m",
-    model: Optional[str] = None,
-    batch: Optional[int] = None,
-    prompt_length: Optional[int] = None,
-    completion_length: Optional[int] = None,
-    micro_batch: Optional[int] = None,
+    model: str | None = None,
+    batch: int | None = None,
+    prompt_length: int | None = None,
+    completion_length: int | None = None,
+    micro_batch: int | None = None,
     group_size: int = 4,
     beta: float = 0.0,
     configs=None,
     repeats: int = 2,
     jobs: int = 1,
     device: str = "auto",
-    json_path: Optional[str] = None,
-    plot_path: Optional[str] = None,
+    json_path: str | None = None,
+    plot_path: str | None = None,
     echo=print,
 ) -> dict:
     """Runs each configuration in a fresh process; returns ``{config: {"peak_bytes", "step_s", ...},
@@ -268,8 +296,9 @@ def run_memory_benchmark(
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
-    overrides = dict(batch=batch, micro_batch=micro_batch, prompt_length=prompt_length,
-                     completion_length=completion_length)  # fmt: skip
+    overrides = dict(
+        batch=batch, micro_batch=micro_batch, prompt_length=prompt_length, completion_length=completion_length
+    )
     for key, value in overrides.items():
         if value is not None:
             if not isinstance(value, int) or value < 1:
@@ -286,8 +315,16 @@ def run_memory_benchmark(
 
     import grpo_fast
 
-    spec = dict(settings, model_path=model, preset=preset, group_size=group_size, beta=beta, repeats=repeats,
-                jobs=jobs, device=device)  # fmt: skip
+    spec = dict(
+        settings,
+        model_path=model,
+        preset=preset,
+        group_size=group_size,
+        beta=beta,
+        repeats=repeats,
+        jobs=jobs,
+        device=device,
+    )
 
     def run(name):
         if name == "grpo_fused_linear" and not hasattr(grpo_fast, "fused_linear_grpo_loss"):
@@ -337,23 +374,35 @@ def table_rows(results: dict) -> list:
         if "error" in res:
             rows.append({"config": name, "peak MB": f"error: {res['error']}"})
             continue
-        rows.append({
-            "config": name,
-            "peak MB": mb(res["peak_bytes"]),
-            "x ppo": f"{res['peak_bytes'] / ppo:.3f}" if ppo else "-",
-            "1st step MB": mb(res["first_step_peak_bytes"]),
-            "step s": f"{res['step_s']:.2f}",
-            "params MB": mb(res["params_bytes"]),
-            "grads MB": mb(res["grads_bytes"]),
-            "optimizer MB": mb(res["optimizer_bytes"]),
-            "logits MB": mb(res["logits_bytes"]),
-            "rest MB": mb(res["rest_bytes"]),
-        })  # fmt: skip
+        rows.append(
+            {
+                "config": name,
+                "peak MB": mb(res["peak_bytes"]),
+                "x ppo": f"{res['peak_bytes'] / ppo:.3f}" if ppo else "-",
+                "1st step MB": mb(res["first_step_peak_bytes"]),
+                "step s": f"{res['step_s']:.2f}",
+                "params MB": mb(res["params_bytes"]),
+                "grads MB": mb(res["grads_bytes"]),
+                "optimizer MB": mb(res["optimizer_bytes"]),
+                "logits MB": mb(res["logits_bytes"]),
+                "rest MB": mb(res["rest_bytes"]),
+            }
+        )
     return rows
 
 
-TABLE_COLUMNS = ["config", "peak MB", "x ppo", "1st step MB", "step s", "params MB", "grads MB", "optimizer MB",
-                 "logits MB", "rest MB"]  # fmt: skip
+TABLE_COLUMNS = [
+    "config",
+    "peak MB",
+    "x ppo",
+    "1st step MB",
+    "step s",
+    "params MB",
+    "grads MB",
+    "optimizer MB",
+    "logits MB",
+    "rest MB",
+]
 
 
 def plot_results(results: dict, path: str) -> None:
@@ -361,8 +410,12 @@ def plot_results(results: dict, path: str) -> None:
     from matplotlib.figure import Figure  # no pyplot: the caller's plotting backend is left alone
 
     names = [n for n in CONFIGS if n in results and "error" not in results[n]]
-    parts = [("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer states"),
-             ("rest_bytes", "activations, logits, temporaries")]  # fmt: skip
+    parts = [
+        ("params_bytes", "parameters"),
+        ("grads_bytes", "gradients"),
+        ("optimizer_bytes", "optimizer states"),
+        ("rest_bytes", "activations, logits, temporaries"),
+    ]
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     bottom = [0.0] * len(names)
@@ -372,13 +425,21 @@ def plot_results(results: dict, path: str) -> None:
         bottom = [b + h for b, h in zip(bottom, heights)]
     for i, n in enumerate(names):
         res = results[n]
-        ax.annotate(f"{res['peak_bytes'] / 2**20:.0f} MB\n{res['step_s']:.2f} s/step", (i, bottom[i]),
-                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax.annotate(
+            f"{res['peak_bytes'] / 2**20:.0f} MB\n{res['step_s']:.2f} s/step",
+            (i, bottom[i]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     settings = results["meta"]["settings"]
     model = settings["model_path"] or f"preset {settings['preset']}"
-    ax.set_title(f"peak memory of a training step ({model}, {results[names[0]]['device'] if names else ''})\n"
-                 f"batch {settings['batch']} x ({settings['prompt_length']} + {settings['completion_length']}) tokens, "
-                 f"micro-batch {settings['micro_batch'] or settings['batch']}, beta {settings['beta']}", fontsize=9)  # fmt: skip
+    ax.set_title(
+        f"peak memory of a training step ({model}, {results[names[0]]['device'] if names else ''})\n"
+        f"batch {settings['batch']} x ({settings['prompt_length']} + {settings['completion_length']}) tokens, "
+        f"micro-batch {settings['micro_batch'] or settings['batch']}, beta {settings['beta']}",
+        fontsize=9,
+    )
     ax.set_ylabel("MB (measured peak)")
     ax.set_ylim(0, max(bottom, default=1) * 1.45)  # headroom for the labels and the legend
     ax.legend(fontsize=7, loc="upper center", ncol=2)
@@ -392,13 +453,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``grpo-fast bench memory``."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", default="100m", help=f"model and batch shape: {', '.join(PRESETS)} (default 100m)")
-    source.add_argument("--model", help="a local causal-LM folder (from_pretrained); the batch shape is the 100m preset's")
+    source.add_argument(
+        "--model", help="a local causal-LM folder (from_pretrained); the batch shape is the 100m preset's"
+    )
     parser.add_argument("--batch", type=int, help="sequences per step (default: the preset's)")
     parser.add_argument("--prompt-length", type=int, help="prompt tokens per sequence (default: the preset's)")
     parser.add_argument("--completion-length", type=int, help="completion tokens per sequence (default: the preset's)")
     parser.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: the preset's)")
     parser.add_argument("--group-size", type=int, default=4, help="G, completions per prompt (default 4)")
-    parser.add_argument("--beta", type=float, default=0.0, help="KL weight; > 0 adds a frozen reference model (default 0)")
+    parser.add_argument(
+        "--beta", type=float, default=0.0, help="KL weight; > 0 adds a frozen reference model (default 0)"
+    )
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), help=f"subset of {' '.join(CONFIGS)}")
     parser.add_argument("--repeats", type=int, default=2, help="timed steps after the measured one (default 2)")
     parser.add_argument("--jobs", type=int, default=1, help="configurations at once (peaks stay valid, times do not)")
@@ -414,11 +479,22 @@ def command(args: argparse.Namespace) -> int:
 
     try:
         results = run_memory_benchmark(
-            preset=args.preset, model=args.model, batch=args.batch, prompt_length=args.prompt_length,
-            completion_length=args.completion_length, micro_batch=args.micro_batch, group_size=args.group_size,
-            beta=args.beta, configs=args.configs, repeats=args.repeats, jobs=args.jobs, device=args.device,
-            json_path=args.json, plot_path=args.plot, echo=lambda line: print(line, file=sys.stderr),
-        )  # fmt: skip
+            preset=args.preset,
+            model=args.model,
+            batch=args.batch,
+            prompt_length=args.prompt_length,
+            completion_length=args.completion_length,
+            micro_batch=args.micro_batch,
+            group_size=args.group_size,
+            beta=args.beta,
+            configs=args.configs,
+            repeats=args.repeats,
+            jobs=args.jobs,
+            device=args.device,
+            json_path=args.json,
+            plot_path=args.plot,
+            echo=lambda line: print(line, file=sys.stderr),
+        )
     except ValueError as exc:
         print(f"grpo-fast bench memory: error: {exc}", file=sys.stderr)
         return 2
@@ -432,7 +508,9 @@ def command(args: argparse.Namespace) -> int:
 
 
 def main(argv=None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

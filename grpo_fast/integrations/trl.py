@@ -67,12 +67,25 @@ from grpo_fast.spec import LOSS_TYPES, LossConfig, accumulate_dtype
 
 # Batch keys that TRL feeds to the model besides the token ids: multimodal models.
 MODEL_INPUT_KEYS = (
-    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
-)  # fmt: skip
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 # Config fields by which a model scales or soft-caps its logits (TRL's fused head reads the same).
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                    "logits_scaling")
+LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_scaling",
+)
 
 
 def add_hidden_state_head(model) -> None:
@@ -122,8 +135,14 @@ class LogprobsHead:
         with maybe_gather_lm_head_ctx(lm_head.weight, lm_head.bias):
             hidden, weight, bias = head_operands(hidden[:, -T - 1 : -1], lm_head, self.fp32)
             with torch.autocast(hidden.device.type, enabled=False):
-                return fused_linear_token_logprobs(hidden, weight, self.ids, bias=bias, temperature=self.temperature,
-                                                   return_entropy=self.return_entropy)
+                return fused_linear_token_logprobs(
+                    hidden,
+                    weight,
+                    self.ids,
+                    bias=bias,
+                    temperature=self.temperature,
+                    return_entropy=self.return_entropy,
+                )
 
 
 class LossHead:
@@ -143,24 +162,52 @@ class LossHead:
         config, ids, mask = self.config, self.ids, self.mask
         B, T = ids.shape
         with maybe_gather_lm_head_ctx(lm_head.weight, lm_head.bias):
-            hidden, weight, bias = head_operands(hidden[:, -T - 1 : -1], lm_head, self.trainer.args.cast_lm_head_to_fp32)
+            hidden, weight, bias = head_operands(
+                hidden[:, -T - 1 : -1], lm_head, self.trainer.args.cast_lm_head_to_fp32
+            )
             with torch.autocast(hidden.device.type, enabled=False):
                 weights, entropy = self.weights, None
                 if self.trainer.top_entropy_quantile < 1.0:
-                    _, entropy = fused_linear_token_logprobs(hidden.detach(), weight.detach(), ids, bias=bias,
-                                                             temperature=config.temperature, return_entropy=True)
+                    _, entropy = fused_linear_token_logprobs(
+                        hidden.detach(),
+                        weight.detach(),
+                        ids,
+                        bias=bias,
+                        temperature=config.temperature,
+                        return_entropy=True,
+                    )
                     high = self.trainer.get_high_entropy_mask(entropy, mask, 1 - self.trainer.top_entropy_quantile)
                     weights = high if weights is None else weights * high
                 # dapo/cispo: the token sum (normaliser 1); TRL's normaliser divides it afterwards
                 num_items = 1 if config.kind.aggregation == "global_tokens" else None
-                self.batch = PolicyBatch.prepare(config, (B, T), accumulate_dtype(hidden), hidden.device,
-                                                 self.advantages, mask, self.old, self.ref, weights, num_items)
+                self.batch = PolicyBatch.prepare(
+                    config,
+                    (B, T),
+                    accumulate_dtype(hidden),
+                    hidden.device,
+                    self.advantages,
+                    mask,
+                    self.old,
+                    self.ref,
+                    weights,
+                    num_items,
+                )
                 # fused_linear_grpo_loss, keeping the per-token log-probs that TRL's per-sequence metrics need
-                wanted = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad
-                               for x in (hidden, weight, bias))
+                wanted = tuple(
+                    torch.is_grad_enabled() and x is not None and x.requires_grad for x in (hidden, weight, bias)
+                )
                 rows = _chunk_rows(B * T, weight.shape[0], hidden.element_size(), hidden.device, None)
                 loss, self.logp, *computed = FusedLinearGRPOFunction.apply(
-                    hidden, weight, bias, ids, self.batch, config, entropy is None, rows, wanted, True,
+                    hidden,
+                    weight,
+                    bias,
+                    ids,
+                    self.batch,
+                    config,
+                    entropy is None,
+                    rows,
+                    wanted,
+                    True,
                     select_backend(hidden),
                 )
         self.entropy = computed[0] if entropy is None else entropy
@@ -211,8 +258,9 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _grpo_fast_defer(self, reason: str) -> None:
         if reason not in self._grpo_fast_warned:
             self._grpo_fast_warned.add(reason)
-            warnings.warn(f"grpo_fast: {reason} is not covered by the fused loss; TRL's own path computes it",
-                          stacklevel=3)
+            warnings.warn(
+                f"grpo_fast: {reason} is not covered by the fused loss; TRL's own path computes it", stacklevel=3
+            )
 
     def loss_config(self) -> LossConfig:
         """The run's loss options as a :class:`grpo_fast.LossConfig` (raises ValueError for
@@ -234,22 +282,38 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ------------------------------------------------------------------ the overridden steps
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **model_inputs):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **model_inputs,
+    ):
         reason = self._unsupported_model(model_inputs)
         if torch.is_grad_enabled() or compute_aux_loss or reason is not None:
             if reason is not None:
                 self._grpo_fast_defer(reason)
             return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
                 **model_inputs,
             )
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
-            head = LogprobsHead(input_ids[rows, -logits_to_keep:], self.temperature, compute_entropy,
-                                self.args.cast_lm_head_to_fp32)
+            head = LogprobsHead(
+                input_ids[rows, -logits_to_keep:], self.temperature, compute_entropy, self.args.cast_lm_head_to_fp32
+            )
             with self.accelerator.autocast():
                 out = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows], grpo_fast_head=head)
             logp, entropy = out if compute_entropy else (out, None)
@@ -274,8 +338,16 @@ class GRPOTrainer(trl.GRPOTrainer):
         weights = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             weights = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1]
-        head = LossHead(self, config, completion_ids, mask, inputs["advantages"], inputs.get("old_per_token_logps"),
-                        inputs["ref_per_token_logps"] if self.beta != 0.0 else None, weights)
+        head = LossHead(
+            self,
+            config,
+            completion_ids,
+            mask,
+            inputs["advantages"],
+            inputs.get("old_per_token_logps"),
+            inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
+            weights,
+        )
         with self.accelerator.autocast():
             loss = model(
                 input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),

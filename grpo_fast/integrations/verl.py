@@ -59,8 +59,9 @@ VERL_FUSED_LINEAR_FOR_PPO = verl_fused.FusedLinearForPPO  # verl's own, before t
 _warned = set()
 
 
-def verl_token_weights(mask, loss_agg_mode: str, dp_size: int = 1, batch_num_tokens=None, global_batch_size=None,
-                       loss_scale_factor=None) -> torch.Tensor:
+def verl_token_weights(
+    mask, loss_agg_mode: str, dp_size: int = 1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None
+) -> torch.Tensor:
     """dL/dper_token [B, T] of verl's ``agg_loss(loss_mat, mask, loss_agg_mode, **global_batch_info)``
     (the aggregation is linear in the per-token losses, so it is these weights)."""
     m = mask.to(torch.float32)
@@ -112,8 +113,9 @@ def _metrics(clipfrac, ppo_kl, clipfrac_lower=0.0) -> dict:
 
 
 @core_algos.register_policy_loss("grpo_fast_vanilla")
-def policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                        rollout_is_weights=None):
+def policy_loss_vanilla(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     """verl's ``vanilla`` (PPO clip, dual clip ``clip_ratio_c`` where A < 0) by grpo_fast."""
     low, high = _clip_bounds(config)
     clip_c = config.get("clip_ratio_c", 3.0)
@@ -125,14 +127,24 @@ def policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_
         below, above = loss_config.kind.clip_flags(w, advantages, loss_config)
         before_dual = clipped_term(w, logp, advantages, LossConfig(eps_low=low, eps_high=high))
         dual = (before_dual > -advantages * clip_c) & (advantages < 0)  # the dual clip binds
-        metrics = _metrics(verl_F.masked_mean((below | above).to(m.dtype), m),
-                           verl_F.masked_mean(old_log_prob - logp, m), verl_F.masked_mean(dual.to(m.dtype), m))
+        metrics = _metrics(
+            verl_F.masked_mean((below | above).to(m.dtype), m),
+            verl_F.masked_mean(old_log_prob - logp, m),
+            verl_F.masked_mean(dual.to(m.dtype), m),
+        )
     return loss, metrics
 
 
 @core_algos.register_policy_loss("grpo_fast_gspo")
-def policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
-                     config=None, rollout_is_weights=None):
+def policy_loss_gspo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode="seq-mean-token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """verl's ``gspo`` (sequence-level ratio, PPO clip) by grpo_fast's sequence-level ratios."""
     m = response_mask.to(log_prob.dtype)
     with torch.no_grad():
@@ -142,22 +154,25 @@ def policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg
         )
     if row_weights or bool((seq_log_ratio > SEQUENCE_LOG_RATIO_CAP).any()):
         reason = "rollout weights that vary within a sequence" if row_weights else "a sequence log-ratio above 10"
-        return _verl_own("gspo", reason, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                         rollout_is_weights)
+        return _verl_own(
+            "gspo", reason, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+        )
     low, high = _clip_bounds(config)
     loss_config = LossConfig(eps_low=low, eps_high=high, importance_sampling="sequence")
     weights = verl_token_weights(response_mask, loss_agg_mode, **config.global_batch_info)
     loss, w, m = _loss(loss_config, log_prob, old_log_prob, advantages, response_mask, weights, rollout_is_weights)
     with torch.no_grad():
         below, above = loss_config.kind.clip_flags(w, advantages, loss_config)
-        metrics = _metrics(verl_F.masked_mean((below | above).to(m.dtype), m),
-                           verl_F.masked_mean(old_log_prob - log_prob, m))
+        metrics = _metrics(
+            verl_F.masked_mean((below | above).to(m.dtype), m), verl_F.masked_mean(old_log_prob - log_prob, m)
+        )
     return loss, metrics
 
 
 @core_algos.register_policy_loss("grpo_fast_cispo")
-def policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                      rollout_is_weights=None):
+def policy_loss_cispo(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     """verl's ``cispo`` (detached ratio clamped to [1 - low, 1 + high], times A log pi) by grpo_fast."""
     low, high = _clip_bounds(config)
     loss_config = LossConfig(loss_type="cispo", eps_high=1 + high)
@@ -175,8 +190,15 @@ def policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, loss_ag
 
 
 @core_algos.register_policy_loss("grpo_fast_sapo")
-def policy_loss_sapo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
-                     config=None, rollout_is_weights=None):
+def policy_loss_sapo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode="seq-mean-token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """verl's ``sapo`` (soft gate, temperatures tau_pos / tau_neg) by grpo_fast; always seq-mean-token-mean."""
     loss_config = LossConfig(loss_type="sapo", sapo_tau_pos=config.tau_pos, sapo_tau_neg=config.tau_neg)
     logp = _clamped_log_ratio_logp(log_prob, old_log_prob)
@@ -199,8 +221,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, ids, temperature, chunk_size):
         ctx.set_materialize_grads(False)
         hidden3, ids2 = (hidden, ids) if hidden.dim() == 3 else (hidden.unsqueeze(0), ids.unsqueeze(0))
-        logp, entropy = fused_linear_token_logprobs(hidden3, weight, ids2, temperature=temperature,
-                                                    return_entropy=True)
+        logp, entropy = fused_linear_token_logprobs(hidden3, weight, ids2, temperature=temperature, return_entropy=True)
         ctx.save_for_backward(hidden, weight, ids)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return logp.float().view(ids.shape), entropy.to(hidden.dtype).view(ids.shape)
@@ -217,9 +238,18 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 # sum(g * logp) has the gradient of the CISPO loss with advantages -g at ratio 1:
                 # -min(w, 1).detach() * A * logp with w = exp(logp - logp.detach()) = 1, summed (normaliser 1)
                 h, i = (inputs[0], ids) if hidden.dim() == 3 else (inputs[0].unsqueeze(0), ids.unsqueeze(0))
-                total.append(fused_linear_grpo_loss(h, inputs[1], i, -grad_logp.view(i.shape).float(),
-                                                    loss_type="cispo", eps_high=1.0, num_items_in_batch=1,
-                                                    temperature=ctx.temperature).loss)
+                total.append(
+                    fused_linear_grpo_loss(
+                        h,
+                        inputs[1],
+                        i,
+                        -grad_logp.view(i.shape).float(),
+                        loss_type="cispo",
+                        eps_high=1.0,
+                        num_items_in_batch=1,
+                        temperature=ctx.temperature,
+                    ).loss
+                )
             if grad_entropy is not None:  # verl's own entropy gradient
                 _, entropy = verl_fused.FusedLinearForPPOFunction.apply(*inputs, ids, ctx.temperature, ctx.chunk_size)
                 total.append((entropy * grad_entropy).sum())
@@ -245,8 +275,9 @@ class FusedLinearForPPO(torch.nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
-        return _FusedLinearLogprobs.apply(hidden_states, vocab_weights, input_ids.to(torch.int64), temperature,
-                                          self.chunk_size)
+        return _FusedLinearLogprobs.apply(
+            hidden_states, vocab_weights, input_ids.to(torch.int64), temperature, self.chunk_size
+        )
 
 
 verl_fused.FusedLinearForPPO = FusedLinearForPPO

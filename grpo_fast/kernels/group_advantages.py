@@ -112,7 +112,8 @@ def group_advantages_triton(
     block_groups=None,
 ) -> GroupAdvantages:
     """rewards [N] or [N, K] (arguments already validated; reward_weights a [K] tensor on
-    the rewards' device), group size G -> GroupAdvantages, as ``reference.group_advantages``. ``block_groups`` (a power of two) sets the tile height."""
+    the rewards' device), group size G -> GroupAdvantages, as ``reference.group_advantages``.
+    ``block_groups`` (a power of two) sets the tile height."""
     r = rewards.float()
     r = (r.unsqueeze(1) if r.dim() == 1 else r).contiguous()  # [N, K]
     N, K = r.shape
@@ -127,7 +128,19 @@ def group_advantages_triton(
     if block_groups is None:
         block_groups = max(1, min(triton.next_power_of_2(num_groups), MAX_TILE // block_g))
     _group_advantages_kernel[(1,)](
-        r, w, adv, combined, mean, std, frac_zero_std, num_groups, G, K, float(eps),
-        SCALE=SCALE_KINDS[scale], BLOCK_GROUPS=block_groups, BLOCK_G=block_g,
-    )  # fmt: skip
+        r,
+        w,
+        adv,
+        combined,
+        mean,
+        std,
+        frac_zero_std,
+        num_groups,
+        G,
+        K,
+        float(eps),
+        SCALE=SCALE_KINDS[scale],
+        BLOCK_GROUPS=block_groups,
+        BLOCK_G=block_g,
+    )
     return GroupAdvantages(adv, combined, mean, std, frac_zero_std.reshape(()))

@@ -12,8 +12,9 @@ L2) and the gradient is written once. With L = sum_t weight_t * (iw_t * pg_t + b
     c_t = weight_t * iw_t * dpg_t/dlogp + weight_t * beta * dkl_t/dlogp
 
 where weight_t = dL/dper_token_t is the loss type's aggregation (grpo: m / (B * len_b), bnpo:
-m / sum m, ...), the loss spec's token weights (``grpo_fast/spec.py``) prepared on [B, T] in torch. The kernel writes, per token, the weighted loss term and
-the metrics' masked pieces (KL, clip flags, ratio, entropy); one ``sum`` over them gives the
+m / sum m, ...), the loss spec's token weights (``grpo_fast/spec.py``) prepared on [B, T] in
+torch. The kernel writes, per token, the weighted loss term and the metrics' masked pieces
+(KL, clip flags, ratio, entropy); one ``sum`` over them gives the
 loss and every metric. Padding rows are not read: zero terms, zero gradient. Backward only
 multiplies by the incoming gradient, and only when it is not 1, deciding on the device (no
 host sync). Scalars (beta, eps, delta, temperature, ...) are runtime arguments: changing
@@ -136,9 +137,21 @@ def _grpo_loss_fwd_kernel(
             old = tl.load(old_ptr + row, mask=has_old != 0, other=0.0)
             ref = tl.load(ref_ptr + row, mask=has_ref != 0, other=0.0)
             pg, d_pg, kl, d_kl, w, is_low, is_high = _policy_terms(
-                logp, old, tl.load(adv_ptr + row), ref, has_old, eps_low, eps_high, delta, dual_clip,
-                tau_pos, tau_neg, loss_kind, kl_kind, kl_bias,
-            )  # fmt: skip
+                logp,
+                old,
+                tl.load(adv_ptr + row),
+                ref,
+                has_old,
+                eps_low,
+                eps_high,
+                delta,
+                dual_clip,
+                tau_pos,
+                tau_neg,
+                loss_kind,
+                kl_kind,
+                kl_bias,
+            )
             pg_weight = tl.load(pg_weight_ptr + row)
             kl_weight = tl.load(kl_weight_ptr + row, mask=has_ref != 0, other=0.0)
             use_kl = kl_weight != 0.0  # beta = 0: the KL term is absent, not 0 * inf from exp(d)
@@ -216,13 +229,37 @@ def grpo_loss_fwd(
     inf = float("inf")
     absent = batch.adv  # any valid pointer for an input the kernel does not read
     _grpo_loss_fwd_kernel[(min(N, programs or N),)](
-        logits, *logits.stride(), g, *g.stride(), ids.reshape(-1).contiguous(), m, batch.adv,
-        absent if batch.old is None else batch.old, absent if batch.ref is None else batch.ref, pg_weight,
-        kl_weight, pieces, N, T, V, 1.0 / config.temperature, float(config.eps_low), float(config.clip_high),
-        inf if config.delta is None else float(config.delta), inf if config.dual_clip is None else float(config.dual_clip),
-        float(config.sapo_tau_pos), float(config.sapo_tau_neg), config.kind.kernel_kind, config.kl.kernel_kind,
-        int(config.kl_bias_correction), int(batch.old is not None), int(batch.ref is not None),
-        BLOCK_V=block, RETURN_ENTROPY=return_entropy, WRITE_GRAD=grad is not None, num_warps=warps or num_warps(block),
+        logits,
+        *logits.stride(),
+        g,
+        *g.stride(),
+        ids.reshape(-1).contiguous(),
+        m,
+        batch.adv,
+        absent if batch.old is None else batch.old,
+        absent if batch.ref is None else batch.ref,
+        pg_weight,
+        kl_weight,
+        pieces,
+        N,
+        T,
+        V,
+        1.0 / config.temperature,
+        float(config.eps_low),
+        float(config.clip_high),
+        inf if config.delta is None else float(config.delta),
+        inf if config.dual_clip is None else float(config.dual_clip),
+        float(config.sapo_tau_pos),
+        float(config.sapo_tau_neg),
+        config.kind.kernel_kind,
+        config.kl.kernel_kind,
+        int(config.kl_bias_correction),
+        int(batch.old is not None),
+        int(batch.ref is not None),
+        BLOCK_V=block,
+        RETURN_ENTROPY=return_entropy,
+        WRITE_GRAD=grad is not None,
+        num_warps=warps or num_warps(block),
     )
     return pieces
 

@@ -148,10 +148,17 @@ def _logprobs_bwd_kernel(
     t = (row % T).to(tl.int64)
     coef = tl.load(grad_logp_ptr + row) * inv_tau
     _row_grad(
-        logits_ptr + b * stride_b + t * stride_t, stride_v,
-        out_ptr + b * stride_out_b + t * stride_out_t, stride_out_v,
-        V, inv_tau, tl.load(lse_ptr + row), coef, tl.load(ids_ptr + row), BLOCK_V,
-    )  # fmt: skip
+        logits_ptr + b * stride_b + t * stride_t,
+        stride_v,
+        out_ptr + b * stride_out_b + t * stride_out_t,
+        stride_out_v,
+        V,
+        inv_tau,
+        tl.load(lse_ptr + row),
+        coef,
+        tl.load(ids_ptr + row),
+        BLOCK_V,
+    )
 
 
 def block_size(V: int, block_v: int | None = None, stride_v: int = 1) -> int:
@@ -186,10 +193,19 @@ def logprobs_fwd(
         return logp, lse, entropy
     block = block_size(V, block_v, logits.stride(2))
     _logprobs_fwd_kernel[(B * T,)](
-        logits, *logits.stride(), ids.reshape(-1).contiguous(), logp, lse,
-        logp if entropy is None else entropy, T, V, 1.0 / temperature,
-        BLOCK_V=block, RETURN_ENTROPY=return_entropy, num_warps=num_warps(block),
-    )  # fmt: skip
+        logits,
+        *logits.stride(),
+        ids.reshape(-1).contiguous(),
+        logp,
+        lse,
+        logp if entropy is None else entropy,
+        T,
+        V,
+        1.0 / temperature,
+        BLOCK_V=block,
+        RETURN_ENTROPY=return_entropy,
+        num_warps=num_warps(block),
+    )
     return logp, lse, entropy
 
 
@@ -209,8 +225,17 @@ def logprobs_bwd(
         return out
     block = block_size(V, block_v, max(logits.stride(2), out.stride(2)))
     _logprobs_bwd_kernel[(B * T,)](
-        logits, *logits.stride(), out, *out.stride(), ids.reshape(-1).contiguous(),
-        lse.reshape(-1).contiguous(), grad_logp.reshape(-1).to(lse.dtype).contiguous(), T, V, 1.0 / temperature,
-        BLOCK_V=block, num_warps=num_warps(block),
-    )  # fmt: skip
+        logits,
+        *logits.stride(),
+        out,
+        *out.stride(),
+        ids.reshape(-1).contiguous(),
+        lse.reshape(-1).contiguous(),
+        grad_logp.reshape(-1).to(lse.dtype).contiguous(),
+        T,
+        V,
+        1.0 / temperature,
+        BLOCK_V=block,
+        num_warps=num_warps(block),
+    )
     return out

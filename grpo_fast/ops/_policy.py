@@ -31,8 +31,19 @@ class PolicyBatch(NamedTuple):
     ref: torch.Tensor | None
 
     @classmethod
-    def prepare(cls, config: LossConfig, shape, dtype, device, advantages, mask=None, old_logprobs=None,
-                ref_logprobs=None, importance_weights=None, num_items_in_batch=None) -> "PolicyBatch":
+    def prepare(
+        cls,
+        config: LossConfig,
+        shape,
+        dtype,
+        device,
+        advantages,
+        mask=None,
+        old_logprobs=None,
+        ref_logprobs=None,
+        importance_weights=None,
+        num_items_in_batch=None,
+    ) -> "PolicyBatch":
         """From validated arguments on the [B, T] grid ``shape``, in ``dtype`` on ``device``."""
 
         def convert(x):

@@ -59,8 +59,17 @@ def check_token_tensor(name: str, x, B: int, T: int, *, allow_sequence: bool) ->
         raise TypeError(f"{name} must be real, got {x.dtype}")
 
 
-def check_loss_batch(B: int, T: int, config: LossConfig, advantages, mask, old_logprobs, ref_logprobs,
-                     importance_weights, num_items_in_batch) -> None:
+def check_loss_batch(
+    B: int,
+    T: int,
+    config: LossConfig,
+    advantages,
+    mask,
+    old_logprobs,
+    ref_logprobs,
+    importance_weights,
+    num_items_in_batch,
+) -> None:
     """Checks the per-batch arguments of the policy loss against the token grid [B, T]."""
     if advantages is None:
         raise ValueError("advantages is required: [B] per sequence or [B, T] per token")
@@ -80,7 +89,9 @@ def check_loss_batch(B: int, T: int, config: LossConfig, advantages, mask, old_l
         if not n.is_cuda and not float(n) >= 0:  # on CUDA the check would synchronise the stream
             raise ValueError(f"num_items_in_batch must be >= 0 (0 counts as 1, as in TRL), got {float(n)!r}")
     elif isinstance(n, bool) or not isinstance(n, (int, float)) or not n >= 0:
-        raise ValueError(f"num_items_in_batch must be a number >= 0 (0 counts as 1, as in TRL) or a scalar tensor, got {n!r}")
+        raise ValueError(
+            f"num_items_in_batch must be a number >= 0 (0 counts as 1, as in TRL) or a scalar tensor, got {n!r}"
+        )
 
 
 def loss_options(fn):

@@ -147,9 +147,16 @@ class FusedLinearGRPOFunction(torch.autograd.Function):
             _chunk_backward(z, flat_ids[r], lse_rows, g, temperature, hidden2d[r], weight, bwd, grads, r)
 
         logp, lse, entropy = _logprobs_sweep(
-            hidden2d, weight, bias, flat_ids, temperature, rows, backend, return_entropy,
+            hidden2d,
+            weight,
+            bias,
+            flat_ids,
+            temperature,
+            rows,
+            backend,
+            return_entropy,
             on_chunk=backward_now if one_sweep else None,
-        )  # fmt: skip
+        )
         logp = logp.view(B, T)
         if any(wanted) and not one_sweep:  # sequence-level ratios: g needs every logp first
             g = logp_grad(logp, batch, config).view(-1)
@@ -318,11 +325,29 @@ def fused_linear_grpo_loss(
     if backend == "reference":
         logits = _chunk_logits(hidden.reshape(B * T, H), weight, bias).view(B, T, V)
         return reference.grpo_loss(
-            logits, ids, advantages, mask, old_logprobs, ref_logprobs, num_items_in_batch=num_items_in_batch,
-            importance_weights=importance_weights, return_entropy=return_entropy, **dataclasses.asdict(config),
+            logits,
+            ids,
+            advantages,
+            mask,
+            old_logprobs,
+            ref_logprobs,
+            num_items_in_batch=num_items_in_batch,
+            importance_weights=importance_weights,
+            return_entropy=return_entropy,
+            **dataclasses.asdict(config),
         )
-    batch = PolicyBatch.prepare(config, (B, T), accumulate_dtype(hidden), hidden.device, advantages, mask,
-                                old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
+    batch = PolicyBatch.prepare(
+        config,
+        (B, T),
+        accumulate_dtype(hidden),
+        hidden.device,
+        advantages,
+        mask,
+        old_logprobs,
+        ref_logprobs,
+        importance_weights,
+        num_items_in_batch,
+    )
     wanted = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (hidden, weight, bias))
     rows = _chunk_rows(B * T, V, hidden.element_size(), hidden.device, chunk_size)
     loss, logp, *entropy = FusedLinearGRPOFunction.apply(

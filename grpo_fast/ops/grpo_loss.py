@@ -52,8 +52,9 @@ def _one_launch(logits, ids, batch: PolicyBatch, config: LossConfig, return_entr
     if write_grad:
         grad = logits.detach() if inplace_backward else torch.empty_like(logits)
     with torch.no_grad():
-        pieces = grpo_loss_fwd(logits.detach(), ids, batch.flat(), config, grad, return_entropy=return_entropy,
-                               **launch)
+        pieces = grpo_loss_fwd(
+            logits.detach(), ids, batch.flat(), config, grad, return_entropy=return_entropy, **launch
+        )
     # Every reduction in one call: the weighted loss terms, then the metrics' masked sums.
     sums = pieces.sum(dim=1)
     means = (sums[1:] / batch.mask.sum().clamp(min=1.0)).float()
@@ -125,11 +126,29 @@ def grpo_loss(
     backend = "triton" if launch is not None else select_backend(logits)
     if backend == "reference":
         return reference.grpo_loss(
-            logits, ids, advantages, mask, old_logprobs, ref_logprobs, num_items_in_batch=num_items_in_batch,
-            importance_weights=importance_weights, return_entropy=return_entropy, **dataclasses.asdict(config),
+            logits,
+            ids,
+            advantages,
+            mask,
+            old_logprobs,
+            ref_logprobs,
+            num_items_in_batch=num_items_in_batch,
+            importance_weights=importance_weights,
+            return_entropy=return_entropy,
+            **dataclasses.asdict(config),
         )
-    batch = PolicyBatch.prepare(config, (B, T), accumulate_dtype(logits), logits.device, advantages, mask,
-                                old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
+    batch = PolicyBatch.prepare(
+        config,
+        (B, T),
+        accumulate_dtype(logits),
+        logits.device,
+        advantages,
+        mask,
+        old_logprobs,
+        ref_logprobs,
+        importance_weights,
+        num_items_in_batch,
+    )
     one_launch = config.importance_sampling == "token" and config.kind.kernel_kind is not None
     if backend == "triton" and one_launch:
         return _one_launch(logits, ids, batch, config, return_entropy, inplace_backward, launch or {})
@@ -138,14 +157,14 @@ def grpo_loss(
             "launch: the one-launch Triton kernel runs token-level ratios of the loss types it implements, got "
             f"importance_sampling={config.importance_sampling!r}, loss_type={config.loss_type!r}"
         )
-    out = TokenLogprobsFunction.apply(logits, ids, float(config.temperature), return_entropy, inplace_backward,
-                                      backend)
+    out = TokenLogprobsFunction.apply(logits, ids, float(config.temperature), return_entropy, inplace_backward, backend)
     logp, entropy = out if return_entropy else (out, None)
     return policy_loss(logp, batch, config, entropy)
 
 
-def fused_grpo_loss(*args, block_v: int | None = None, programs: int | None = None, warps: int | None = None,
-                    **kwargs) -> LossOutput:
+def fused_grpo_loss(
+    *args, block_v: int | None = None, programs: int | None = None, warps: int | None = None, **kwargs
+) -> LossOutput:
     """:func:`grpo_loss` (same arguments) on the one-launch Triton kernel with its launch
     knobs: ``block_v`` (vocabulary block), ``programs`` (rows in flight) and ``warps``."""
     return grpo_loss(*args, launch=dict(block_v=block_v, programs=programs, warps=warps), **kwargs)

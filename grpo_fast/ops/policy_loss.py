@@ -58,10 +58,27 @@ def policy_loss(
         raise ValueError(f"entropy must have shape [B, T] = {[B, T]}, got {list(entropy.shape)}")
     if select_backend(logprobs) == "reference":
         return reference.policy_loss(
-            logprobs, advantages, mask, old_logprobs, ref_logprobs, num_items_in_batch=num_items_in_batch,
-            importance_weights=importance_weights, entropy=entropy, **dataclasses.asdict(config),
+            logprobs,
+            advantages,
+            mask,
+            old_logprobs,
+            ref_logprobs,
+            num_items_in_batch=num_items_in_batch,
+            importance_weights=importance_weights,
+            entropy=entropy,
+            **dataclasses.asdict(config),
         )
     acc = accumulate_dtype(logprobs)
-    batch = PolicyBatch.prepare(config, (B, T), acc, logprobs.device, advantages, mask, old_logprobs,
-                                ref_logprobs, importance_weights, num_items_in_batch)
+    batch = PolicyBatch.prepare(
+        config,
+        (B, T),
+        acc,
+        logprobs.device,
+        advantages,
+        mask,
+        old_logprobs,
+        ref_logprobs,
+        importance_weights,
+        num_items_in_batch,
+    )
     return _policy_loss(logprobs.to(acc), batch, config, None if entropy is None else entropy.to(acc))

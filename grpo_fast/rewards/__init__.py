@@ -11,6 +11,18 @@ from grpo_fast.rewards.math_answer import answers_match, extract_answer, math_re
 from grpo_fast.rewards.overlong import overlong_penalty
 from grpo_fast.rewards.sandbox import SandboxLimits, SandboxResult, run_python
 
-__all__ = ["math_reward", "format_reward", "overlong_penalty", "code_reward", "none_on_error", "check_batch",
-           "extract_answer", "answers_match", "extract_code", "DEFAULT_FORMAT", "SandboxLimits", "SandboxResult",
-           "run_python"]
+__all__ = [
+    "math_reward",
+    "format_reward",
+    "overlong_penalty",
+    "code_reward",
+    "none_on_error",
+    "check_batch",
+    "extract_answer",
+    "answers_match",
+    "extract_code",
+    "DEFAULT_FORMAT",
+    "SandboxLimits",
+    "SandboxResult",
+    "run_python",
+]

@@ -25,14 +25,39 @@ MAX_DEPTH = 100  # nesting of encoded values; deeper fails as not plain data
 # Standard-library modules that tests use without importing them (MBPP's `math.isclose`,
 # relying on the solution's `import math`): the judge imports its own copy. Any other
 # module a test needs, the test or setup imports.
-JUDGE_MODULES = frozenset({"math", "cmath", "re", "string", "collections", "itertools", "functools", "operator",
-                           "heapq", "bisect", "fractions", "decimal", "statistics", "random", "copy", "datetime",
-                           "json", "array", "numbers", "typing"})
+JUDGE_MODULES = frozenset(
+    {
+        "math",
+        "cmath",
+        "re",
+        "string",
+        "collections",
+        "itertools",
+        "functools",
+        "operator",
+        "heapq",
+        "bisect",
+        "fractions",
+        "decimal",
+        "statistics",
+        "random",
+        "copy",
+        "datetime",
+        "json",
+        "array",
+        "numbers",
+        "typing",
+    }
+)
 # Exceptions a call may raise in the judge: Exception's builtin subclasses, except those
 # that end an iteration early (`all(map(f, cases))` would pass on an empty map).
-PASSED_THROUGH = frozenset(name for name, value in vars(builtins).items()
-                           if isinstance(value, type) and issubclass(value, Exception)
-                           and not issubclass(value, (StopIteration, StopAsyncIteration)))
+PASSED_THROUGH = frozenset(
+    name
+    for name, value in vars(builtins).items()
+    if isinstance(value, type)
+    and issubclass(value, Exception)
+    and not issubclass(value, (StopIteration, StopAsyncIteration))
+)
 
 
 class SolutionError(Exception):
@@ -190,7 +215,7 @@ class Channel:
     def _send(self, data: bytes) -> None:
         while data:
             self._wait(self.requests_fd, select.POLLOUT)
-            data = data[os.write(self.requests_fd, data):]
+            data = data[os.write(self.requests_fd, data) :]
 
     def _receive_line(self) -> bytes:
         while b"\n" not in self.buffer:
@@ -215,8 +240,14 @@ class ProgramFunction:
         self.channel, self.name = channel, name
 
     def __call__(self, *args, **kwargs):
-        reply = self.channel.request({"op": "call", "name": self.name, "args": [encode(a) for a in args],
-                                      "kwargs": [[k, encode(v)] for k, v in kwargs.items()]})
+        reply = self.channel.request(
+            {
+                "op": "call",
+                "name": self.name,
+                "args": [encode(a) for a in args],
+                "kwargs": [[k, encode(v)] for k, v in kwargs.items()],
+            }
+        )
         if "return" in reply:
             try:
                 return decode(reply["return"])

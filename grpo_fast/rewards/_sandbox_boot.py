@@ -54,17 +54,26 @@ ROOT_MOUNT_POINTS = ("/mnt", "/media", "/srv", "/opt", "/boot", "/tmp")
 DEVICES = ("null", "zero", "full", "random", "urandom")
 # Sandboxed numeric libraries get one thread each: their default of one per core would
 # use up the process cap and the memory split across it.
-SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-               "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+SANDBOX_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 # The fallback's scratch dir is a plain host directory: its total size is checked this
 # often (and the files counted, so that the check stays cheap), killing the sandbox when over.
 FALLBACK_POLL_S = 0.01
 FALLBACK_MAX_FILES = 10_000
 
 # System calls without a glibc wrapper (pivot_root has one only from 2.36), by architecture.
-SYSCALLS = {"x86_64": {"pivot_root": 155, "keyctl": 250}, "aarch64": {"pivot_root": 41, "keyctl": 219},
-            "riscv64": {"pivot_root": 41, "keyctl": 219}, "ppc64le": {"pivot_root": 203, "keyctl": 355},
-            "s390x": {"pivot_root": 217, "keyctl": 280}}
+SYSCALLS = {
+    "x86_64": {"pivot_root": 155, "keyctl": 250},
+    "aarch64": {"pivot_root": 41, "keyctl": 219},
+    "riscv64": {"pivot_root": 41, "keyctl": 219},
+    "ppc64le": {"pivot_root": 203, "keyctl": 355},
+    "s390x": {"pivot_root": 217, "keyctl": 280},
+}
 KEYCTL_JOIN_SESSION_KEYRING = 1
 # The fallback's seccomp filter: per architecture, the audit arch and the system calls the
 # program may not make. Without namespaces the program shares the machine's PID and network
@@ -73,16 +82,88 @@ KEYCTL_JOIN_SESSION_KEYRING = 1
 # reach the kernel keyring, BPF, perf or userfaultfd; io_uring could open sockets. Nor may
 # it change files' modes, owners, times or extended attributes, which Landlock leaves open.
 SECCOMP_DENIED = {
-    "x86_64": (0xC000003E, (
-        41, 62, 200, 234, 129, 297, 424, 434, 438,  # socket, kill, tkill, tgkill, rt_(tg)sigqueueinfo, pidfd_*
-        101, 310, 311, 425, 250, 248, 249, 321, 298, 323,  # ptrace, process_vm_*, io_uring_setup, keys, bpf, ...
-        90, 91, 268, 452, 92, 93, 94, 260,  # chmod, fchmod, fchmodat(2), chown, fchown, lchown, fchownat
-        132, 235, 261, 280, 188, 189, 190, 197, 198, 199, 463, 466)),  # utime(s), ..., (l/f)set/removexattr(at)
-    "aarch64": (0xC00000B7, (  # the same calls (aarch64 has only the *at forms of chmod, chown, utime)
-        198, 129, 130, 131, 138, 240, 424, 434, 438,
-        117, 270, 271, 425, 219, 217, 218, 280, 241, 282,
-        52, 53, 452, 54, 55,
-        88, 5, 6, 7, 14, 15, 16, 463, 466)),
+    "x86_64": (
+        0xC000003E,
+        (
+            41,
+            62,
+            200,
+            234,
+            129,
+            297,
+            424,
+            434,
+            438,  # socket, kill, tkill, tgkill, rt_(tg)sigqueueinfo, pidfd_*
+            101,
+            310,
+            311,
+            425,
+            250,
+            248,
+            249,
+            321,
+            298,
+            323,  # ptrace, process_vm_*, io_uring_setup, keys, bpf, ...
+            90,
+            91,
+            268,
+            452,
+            92,
+            93,
+            94,
+            260,  # chmod, fchmod, fchmodat(2), chown, fchown, lchown, fchownat
+            132,
+            235,
+            261,
+            280,
+            188,
+            189,
+            190,
+            197,
+            198,
+            199,
+            463,
+            466,
+        ),
+    ),  # utime(s), ..., (l/f)set/removexattr(at)
+    "aarch64": (
+        0xC00000B7,
+        (  # the same calls (aarch64 has only the *at forms of chmod, chown, utime)
+            198,
+            129,
+            130,
+            131,
+            138,
+            240,
+            424,
+            434,
+            438,
+            117,
+            270,
+            271,
+            425,
+            219,
+            217,
+            218,
+            280,
+            241,
+            282,
+            52,
+            53,
+            452,
+            54,
+            55,
+            88,
+            5,
+            6,
+            7,
+            14,
+            15,
+            16,
+            463,
+            466,
+        ),
+    ),
 }
 X32_SYSCALL_BIT = 0x40000000
 # Landlock (Linux 5.13+; the same system call numbers on every architecture): where it is
@@ -181,8 +262,13 @@ def _build_root(cfg: dict, uid: int) -> None:
     """A private mount namespace whose root is a read-only tree of what programs need, /tmp a tmpfs."""
     _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
-    free = [d for d in ROOT_MOUNT_POINTS if os.path.isdir(d) and not os.path.islink(d)
-            and not any((p + "/").startswith(d + "/") for p in cfg["python_dirs"])]
+    free = [
+        d
+        for d in ROOT_MOUNT_POINTS
+        if os.path.isdir(d)
+        and not os.path.islink(d)
+        and not any((p + "/").startswith(d + "/") for p in cfg["python_dirs"])
+    ]
     if not free:
         raise OSError(f"no mount point for the sandbox's root: each of {ROOT_MOUNT_POINTS} is missing or holds Python")
     root = free[0]
@@ -208,8 +294,12 @@ def _build_root(cfg: dict, uid: int) -> None:
     for name in DEVICES:
         open(f"{root}/dev/{name}", "w").close()
         _mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"{root}/dev/{name}")
     for path in ("/proc", "/tmp", "/var/tmp", "/dev/shm"):
         os.makedirs(root + path, 0o755, exist_ok=True)
@@ -225,8 +315,13 @@ def _build_root(cfg: dict, uid: int) -> None:
     _check(libc.syscall(SYSCALLS[os.uname().machine]["pivot_root"], b".", b"."), "pivot_root")
     _check(libc.umount2(b".", MNT_DETACH), "umount the old root")  # it was stacked on the new one
     os.chdir("/")
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={cfg['limits']['scratch_bytes']},mode=0700,uid={uid},gid={uid}")
+    _mount(
+        "tmpfs",
+        "/tmp",
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={cfg['limits']['scratch_bytes']},mode=0700,uid={uid},gid={uid}",
+    )
     for path in ("/var/tmp", "/dev/shm"):  # one size cap for every writable directory
         _mount("/tmp", path, None, MS_BIND)
     os.chdir("/tmp")
@@ -235,8 +330,10 @@ def _build_root(cfg: dict, uid: int) -> None:
 def _make_readonly(root: str) -> None:
     """Remount the mount at `root` and every mount on it read-only, keeping the flags the kernel locks."""
     with open("/proc/self/mountinfo") as f:
-        mounts = [(fields[0], fields[1], re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
-                  for fields in map(str.split, f)]
+        mounts = [
+            (fields[0], fields[1], re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+            for fields in map(str.split, f)
+        ]
     # By mount id, not by path: host mounts below `root`'s path are hidden under it, not in it.
     inside = {[mount_id for mount_id, _, point in mounts if point == root][-1]}
     while True:
@@ -262,8 +359,10 @@ def _drop_privileges() -> None:
     """Every capability (inside a user namespace a uid change alone does not clear them), the
     caller's keyring, any gain from setuid binaries; and the child dies with this bootstrap."""
     # A new, empty session keyring: the one inherited from the caller may hold its keys.
-    _check(libc.syscall(SYSCALLS[os.uname().machine]["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None),
-           "keyctl(JOIN_SESSION_KEYRING)")
+    _check(
+        libc.syscall(SYSCALLS[os.uname().machine]["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None),
+        "keyctl(JOIN_SESSION_KEYRING)",
+    )
     header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
     _check(libc.capset(ctypes.byref(header), data), "capset")
     _check(libc.capget(ctypes.byref(header), data), "capget")
@@ -306,8 +405,9 @@ def _landlock_abi() -> int:
 def _landlock_ruleset(cfg: dict, scratch: str, abi: int) -> int:
     """The fallback's file-access rules (see SYS_LANDLOCK_*), made while the paths can still be opened."""
     handled = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1  # the access rights this ABI knows
-    ruleset = _check(libc.syscall(SYS_LANDLOCK_CREATE_RULESET, struct.pack("=Q", handled), 8, 0),
-                     "landlock_create_ruleset")
+    ruleset = _check(
+        libc.syscall(SYS_LANDLOCK_CREATE_RULESET, struct.pack("=Q", handled), 8, 0), "landlock_create_ruleset"
+    )
     rules = [("/" + name, LANDLOCK_READ) for name in SYSTEM_DIRS] + [(p, LANDLOCK_READ) for p in cfg["python_dirs"]]
     rules += [(f"/dev/{name}", LANDLOCK_DEVICE) for name in DEVICES] + [(scratch, handled)]
     for path, access in rules:
@@ -316,8 +416,10 @@ def _landlock_ruleset(cfg: dict, scratch: str, abi: int) -> int:
         except FileNotFoundError:
             continue
         try:
-            _check(libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, 1, struct.pack("=Qi", access & handled, fd), 0),
-                   f"landlock_add_rule {path}")
+            _check(
+                libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, 1, struct.pack("=Qi", access & handled, fd), 0),
+                f"landlock_add_rule {path}",
+            )
         finally:
             os.close(fd)
     return ruleset
@@ -361,8 +463,9 @@ def _child(cfg: dict, isolation: str, scratch: str | None, setup_pipe: int, chan
         os.environ.update(SANDBOX_ENV, HOME=os.getcwd())
         sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", errors="surrogateescape", closefd=False)
         sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False)
-        sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False,
-                                           buffering=1)
+        sys.stderr = sys.__stderr__ = open(
+            2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1
+        )
     except BaseException as exc:  # noqa: BLE001 - any failure must reach the parent
         os.write(setup_pipe, f"{type(exc).__name__}: {exc}".encode()[:4000])
         os._exit(SETUP_FAILED)
@@ -492,8 +595,11 @@ def _make_cgroup(cfg: dict) -> str | None:
     path = os.path.join(cfg["cgroup_parent"], f"grpo_fast_sandbox_{os.getpid()}")
     os.mkdir(path)
     limits = cfg["limits"]
-    for name, value in (("memory.max", limits["memory_bytes"]), ("memory.swap.max", 0),
-                        ("pids.max", limits["max_processes"])):
+    for name, value in (
+        ("memory.max", limits["memory_bytes"]),
+        ("memory.swap.max", 0),
+        ("pids.max", limits["max_processes"]),
+    ):
         with open(os.path.join(path, name), "w") as f:
             f.write(str(value))
     return path
@@ -527,8 +633,12 @@ def main() -> None:
     scratch = None
     if isolation == "none":
         if os.uname().machine not in SECCOMP_DENIED:
-            _report({"setup_error": f"the fallback ({reason}) needs a seccomp filter, which has no table for "
-                                    f"{os.uname().machine}"})
+            _report(
+                {
+                    "setup_error": f"the fallback ({reason}) needs a seccomp filter, which has no table for "
+                    f"{os.uname().machine}"
+                }
+            )
             return
         _check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(CHILD_SUBREAPER)")
         scratch = os.path.join(cfg["tmpdir"], f"grpo_fast_sandbox_{os.getpid()}")
@@ -581,13 +691,15 @@ def main() -> None:
         _remove_tree(scratch)
     if cfg["cgroup"] is not None:
         _remove_cgroup(cfg["cgroup"])
-    _report({
-        "isolation": isolation,
-        "setup_error": setup_error,
-        "timed_out": sandbox.timed_out,
-        "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-        "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-        "wall_s": time.monotonic() - start,
-        "passed": passed,
-        "judge_error": judge_error,
-    })
+    _report(
+        {
+            "isolation": isolation,
+            "setup_error": setup_error,
+            "timed_out": sandbox.timed_out,
+            "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+            "wall_s": time.monotonic() - start,
+            "passed": passed,
+            "judge_error": judge_error,
+        }
+    )

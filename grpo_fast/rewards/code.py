@@ -81,19 +81,27 @@ def normalize_tests(tests, entry_point: str | None = None, setup: str | None = N
             if not isinstance(tests, (list, tuple)) or not all(isinstance(t, str) for t in tests):
                 raise TypeError("tests['asserts'] must be a list of assert strings")
         else:
-            raise ValueError(f"tests as a dict must be {{'inputs': [...], 'outputs': [...]}} of equal length, "
-                             f"{{'test': source, 'entry_point': name}} or {{'asserts': [...]}} (each with an optional "
-                             f"'setup'), got keys {sorted(tests)}")
+            raise ValueError(
+                f"tests as a dict must be {{'inputs': [...], 'outputs': [...]}} of equal length, "
+                f"{{'test': source, 'entry_point': name}} or {{'asserts': [...]}} (each with an optional "
+                f"'setup'), got keys {sorted(tests)}"
+            )
     if not isinstance(tests, (list, tuple)):
-        raise TypeError(f"tests must be a list of assert strings or of {{'input', 'output'}} dicts, "
-                        f"got {type(tests).__name__}")
+        raise TypeError(
+            f"tests must be a list of assert strings or of {{'input', 'output'}} dicts, got {type(tests).__name__}"
+        )
     if not tests:
         return None
     if all(isinstance(t, str) for t in tests):
         for j, statement in enumerate(tests):
             _parse(statement, f"assert statement {j}")
-        spec = {"kind": "asserts", "asserts": list(tests), "setup": _checked_setup(setup),
-                "entry_point": _checked_entry_point(entry_point, required=False), "names": _names_read(tests)}
+        spec = {
+            "kind": "asserts",
+            "asserts": list(tests),
+            "setup": _checked_setup(setup),
+            "entry_point": _checked_entry_point(entry_point, required=False),
+            "names": _names_read(tests),
+        }
         if spec["entry_point"] is not None:
             _check_names(spec, "\n".join(tests), "the assert statements")
         return spec
@@ -101,8 +109,10 @@ def normalize_tests(tests, entry_point: str | None = None, setup: str | None = N
         if setup is not None or entry_point is not None:
             raise ValueError("setup and entry_point apply to assert and HumanEval tests, not to input/output pairs")
         return {"kind": "io", "cases": [(str(t["input"]), str(t["output"])) for t in tests]}
-    raise TypeError("tests must be all assert strings or all {'input': str, 'output': str} dicts, got a mix "
-                    f"of {sorted({type(t).__name__ for t in tests})}")
+    raise TypeError(
+        "tests must be all assert strings or all {'input': str, 'output': str} dicts, got a mix "
+        f"of {sorted({type(t).__name__ for t in tests})}"
+    )
 
 
 def _one_of(name: str, in_tests, column):
@@ -135,32 +145,48 @@ def _checked_entry_point(entry_point, required: bool) -> str | None:
     if entry_point is None and not required:
         return None
     if not isinstance(entry_point, str) or not entry_point.isidentifier():
-        raise ValueError(f"entry_point must be the name of the function under test (HumanEval tests call "
-                         f"check(entry_point)), got {entry_point!r}")
+        raise ValueError(
+            f"entry_point must be the name of the function under test (HumanEval tests call "
+            f"check(entry_point)), got {entry_point!r}"
+        )
     return entry_point
 
 
 def _check_spec(test, entry_point, setup) -> dict:
     if "check" not in _top_level_functions(test, "the HumanEval test source"):
         raise ValueError("the HumanEval test source must define check(candidate)")
-    spec = {"kind": "check", "test": test, "setup": _checked_setup(setup),
-            "entry_point": _checked_entry_point(entry_point, required=True), "names": _names_read([test])}
+    spec = {
+        "kind": "check",
+        "test": test,
+        "setup": _checked_setup(setup),
+        "entry_point": _checked_entry_point(entry_point, required=True),
+        "names": _names_read([test]),
+    }
     _check_names(spec, test, "check()")
     return spec
 
 
 def _names_read(sources: list[str]) -> list[str]:
     """Every name the sources read (a superset of their free names): what the judge may need to bind."""
-    return sorted({node.id for source in sources for node in ast.walk(ast.parse(source))
-                   if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)})
+    return sorted(
+        {
+            node.id
+            for source in sources
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+        }
+    )
 
 
 def _check_names(spec: dict, source: str, what: str) -> None:
     """With an entry point the program supplies nothing else: every other global the tests read must exist."""
     defined = set(vars(builtins)) | JUDGE_MODULES | {spec["entry_point"]}
     for text in (spec["setup"], source):
-        defined |= {s.get_name() for s in symtable.symtable(text, "<tests>", "exec").get_symbols()
-                    if s.is_assigned() or s.is_imported() or s.is_namespace()}
+        defined |= {
+            s.get_name()
+            for s in symtable.symtable(text, "<tests>", "exec").get_symbols()
+            if s.is_assigned() or s.is_imported() or s.is_namespace()
+        }
     top = symtable.symtable(source, "<tests>", "exec")
     used, tables = set(), [top]
     while tables:
@@ -169,9 +195,11 @@ def _check_names(spec: dict, source: str, what: str) -> None:
         tables += table.get_children()
     missing = used - defined
     if missing:
-        raise ValueError(f"{what} uses {sorted(missing)}, which neither the tests nor setup define; the program "
-                         f"supplies only the entry point {spec['entry_point']!r} (pass the source that defines them, "
-                         f"e.g. HumanEval's prompt, as setup)")
+        raise ValueError(
+            f"{what} uses {sorted(missing)}, which neither the tests nor setup define; the program "
+            f"supplies only the entry point {spec['entry_point']!r} (pass the source that defines them, "
+            f"e.g. HumanEval's prompt, as setup)"
+        )
 
 
 def _test_count(spec: dict) -> int:
@@ -203,9 +231,18 @@ def _run_job(job, limits: SandboxLimits, require_isolation: bool) -> int:
     return min(result.passed or 0, _test_count(spec))
 
 
-def code_reward(prompts: list[str], completions: list[str], tests: list, *, entry_point: list | None = None,
-                setup: list | None = None, limits: SandboxLimits | None = None, max_workers: int | None = None,
-                require_isolation: bool = False, **columns) -> list[float | None]:
+def code_reward(
+    prompts: list[str],
+    completions: list[str],
+    tests: list,
+    *,
+    entry_point: list | None = None,
+    setup: list | None = None,
+    limits: SandboxLimits | None = None,
+    max_workers: int | None = None,
+    require_isolation: bool = False,
+    **columns,
+) -> list[float | None]:
     """Fraction of each completion's tests that its program passes, the program run in the sandbox.
 
     prompts, completions: N strings. The program is the last fenced Python block of the

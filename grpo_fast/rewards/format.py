@@ -8,8 +8,9 @@ from grpo_fast.rewards.base import check_batch
 DEFAULT_FORMAT = r"<think>.*?</think>\s*<answer>.*?</answer>"
 
 
-def format_reward(prompts: list[str], completions: list[str], *, pattern: str | re.Pattern = DEFAULT_FORMAT,
-                  **columns) -> list[float]:
+def format_reward(
+    prompts: list[str], completions: list[str], *, pattern: str | re.Pattern = DEFAULT_FORMAT, **columns
+) -> list[float]:
     """1.0 when the whole completion (stripped of surrounding whitespace) matches `pattern`, else 0.0.
 
     prompts, completions: N strings.

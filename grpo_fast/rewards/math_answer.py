@@ -64,8 +64,9 @@ def _math_verify():
     try:
         import math_verify
     except ImportError as exc:
-        raise ImportError('math_reward needs math-verify: pip install "grpo-fast[math]" '
-                          '(or pip install math-verify)') from exc
+        raise ImportError(
+            'math_reward needs math-verify: pip install "grpo-fast[math]" (or pip install math-verify)'
+        ) from exc
     return math_verify
 
 
@@ -89,8 +90,9 @@ def answers_match(predicted: str, reference: str) -> bool:
     return "".join(predicted.split()) == "".join(reference.split())
 
 
-def math_reward(prompts: list[str], completions: list[str], answer: list | None = None,
-                solution: list | None = None, **columns) -> list[float | None]:
+def math_reward(
+    prompts: list[str], completions: list[str], answer: list | None = None, solution: list | None = None, **columns
+) -> list[float | None]:
     """1.0 when a completion's final answer equals the reference answer, else 0.0.
 
     prompts, completions: N strings.

@@ -11,9 +11,16 @@ reward smoothly instead of being truncated into noise.
 from grpo_fast.rewards.base import check_batch
 
 
-def overlong_penalty(prompts: list[str], completions: list[str], *, max_length: int | None = None,
-                     buffer_length: int | None = None, completion_ids: list | None = None, tokenizer=None,
-                     **columns) -> list[float]:
+def overlong_penalty(
+    prompts: list[str],
+    completions: list[str],
+    *,
+    max_length: int | None = None,
+    buffer_length: int | None = None,
+    completion_ids: list | None = None,
+    tokenizer=None,
+    **columns,
+) -> list[float]:
     """The soft overlong penalty in [-1, 0] for each completion.
 
     prompts, completions: N strings.
@@ -23,8 +30,10 @@ def overlong_penalty(prompts: list[str], completions: list[str], *, max_length: 
         completions (without special tokens). One of the two is required.
     """
     if not isinstance(max_length, int) or not isinstance(buffer_length, int) or not 0 < buffer_length <= max_length:
-        raise ValueError("overlong_penalty needs integers 0 < buffer_length <= max_length (bind them with "
-                         f"functools.partial), got max_length={max_length!r}, buffer_length={buffer_length!r}")
+        raise ValueError(
+            "overlong_penalty needs integers 0 < buffer_length <= max_length (bind them with "
+            f"functools.partial), got max_length={max_length!r}, buffer_length={buffer_length!r}"
+        )
     if completion_ids is not None:
         check_batch(prompts, completions, {"completion_ids": completion_ids, **columns})
         lengths = [len(ids) for ids in completion_ids]
@@ -32,7 +41,9 @@ def overlong_penalty(prompts: list[str], completions: list[str], *, max_length: 
         check_batch(prompts, completions, columns)
         lengths = [len(tokenizer.encode(c, add_special_tokens=False)) for c in completions]
     else:
-        raise ValueError("overlong_penalty needs completion_ids=[N token-id lists] or tokenizer= to measure "
-                         "completion lengths in tokens")
+        raise ValueError(
+            "overlong_penalty needs completion_ids=[N token-id lists] or tokenizer= to measure "
+            "completion lengths in tokens"
+        )
     start = max_length - buffer_length
     return [max(-1.0, min(0.0, (start - n) / buffer_length)) if n <= max_length else -1.0 for n in lengths]

@@ -27,8 +27,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # The bootstrap is imported as a module (so its bytecode is cached) from this directory,
 # which is taken off sys.path again before any program runs: a program's `import code`
 # must find the standard library's module, not ours.
-_BOOT_COMMAND = (f"import sys; sys.path.insert(0, {_HERE!r}); import _sandbox_boot; del sys.path[0]; "
-                 "_sandbox_boot.main()")
+_BOOT_COMMAND = (
+    f"import sys; sys.path.insert(0, {_HERE!r}); import _sandbox_boot; del sys.path[0]; _sandbox_boot.main()"
+)
 # A root caller runs each sandbox as uid UID_BASE + slot, the slot unique among this
 # process's concurrent runs: a uid that owns no file and no other process, so that
 # RLIMIT_NPROC counts only that sandbox's processes and it can signal no one. Separate
@@ -75,9 +76,11 @@ class SandboxLimits:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"SandboxLimits.{name} must be a positive number, got {value!r}")
         if self.memory_bytes // self.max_processes < MIN_PROCESS_MEMORY:
-            raise ValueError(f"SandboxLimits.memory_bytes / max_processes must be at least {MIN_PROCESS_MEMORY} "
-                             f"(each process's share without a cgroup), got {self.memory_bytes} / "
-                             f"{self.max_processes}")
+            raise ValueError(
+                f"SandboxLimits.memory_bytes / max_processes must be at least {MIN_PROCESS_MEMORY} "
+                f"(each process's share without a cgroup), got {self.memory_bytes} / "
+                f"{self.max_processes}"
+            )
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,15 @@ class SandboxResult:
         return self.exit_code == 0 and not self.timed_out and self.error is None
 
 
-def run_python(program: str, *, files: dict[str, str] | None = None, stdin: str = "", args: tuple[str, ...] = (),
-               limits: SandboxLimits | None = None, require_isolation: bool = False) -> SandboxResult:
+def run_python(
+    program: str,
+    *,
+    files: dict[str, str] | None = None,
+    stdin: str = "",
+    args: tuple[str, ...] = (),
+    limits: SandboxLimits | None = None,
+    require_isolation: bool = False,
+) -> SandboxResult:
     """Run `program` as `__main__` in the sandbox (like `python -I -S -c program *args`) and wait for it.
 
     The interpreter is this process's, started afresh; installed packages are importable
@@ -124,12 +134,17 @@ def run_python(program: str, *, files: dict[str, str] | None = None, stdin: str 
     for name in files or {}:
         if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
             raise ValueError(f"files keys must be plain file names, got {name!r}")
-    return _run({"program": program, "files": dict(files or {}), "stdin": stdin, "args": list(args), "setup": None},
-                None, limits or SandboxLimits(), require_isolation)
+    return _run(
+        {"program": program, "files": dict(files or {}), "stdin": stdin, "args": list(args), "setup": None},
+        None,
+        limits or SandboxLimits(),
+        require_isolation,
+    )
 
 
-def run_judged(program: str, tests: dict, *, limits: SandboxLimits | None = None,
-               require_isolation: bool = False) -> SandboxResult:
+def run_judged(
+    program: str, tests: dict, *, limits: SandboxLimits | None = None, require_isolation: bool = False
+) -> SandboxResult:
     """Run `program` in the sandbox and its tests outside it; `passed` counts the tests passed.
 
     tests: the judge's spec, as `code.normalize_tests` makes it (see `_code_harness.judge`):
@@ -137,8 +152,12 @@ def run_judged(program: str, tests: dict, *, limits: SandboxLimits | None = None
         "entry_point": str | None, "names": [str]}. `setup` runs before the program, in the
         sandbox and in the judge.
     """
-    return _run({"program": program, "files": {}, "stdin": "", "args": [], "setup": tests["setup"]}, tests,
-                limits or SandboxLimits(), require_isolation)
+    return _run(
+        {"program": program, "files": {}, "stdin": "", "args": [], "setup": tests["setup"]},
+        tests,
+        limits or SandboxLimits(),
+        require_isolation,
+    )
 
 
 @contextmanager
@@ -157,8 +176,16 @@ def _uid_slot():
 def _python_dirs() -> tuple[list[str], list[str]]:
     """The Python installation (shown read-only in the sandbox) and its site-packages (put on sys.path)."""
     site_packages = [p for p in site.getsitepackages() if os.path.isdir(p)]
-    dirs = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix,
-                                          os.path.dirname(os.path.realpath(sys.executable)), *site_packages)}
+    dirs = {
+        os.path.realpath(p)
+        for p in (
+            sys.base_prefix,
+            sys.prefix,
+            sys.exec_prefix,
+            os.path.dirname(os.path.realpath(sys.executable)),
+            *site_packages,
+        )
+    }
     return sorted(dirs, key=len), site_packages
 
 
@@ -174,8 +201,10 @@ def _cgroup_parent() -> str | None:
     configured = os.environ.get("GRPO_FAST_SANDBOX_CGROUP")
     if configured:
         if not _usable_cgroup(configured):
-            raise ValueError(f"GRPO_FAST_SANDBOX_CGROUP must be a writable cgroup v2 directory with memory and pids "
-                             f"in its cgroup.subtree_control, got {configured!r}")
+            raise ValueError(
+                f"GRPO_FAST_SANDBOX_CGROUP must be a writable cgroup v2 directory with memory and pids "
+                f"in its cgroup.subtree_control, got {configured!r}"
+            )
         return configured
     try:
         with open("/proc/self/cgroup") as f:
@@ -226,9 +255,16 @@ def _run(job: dict, tests: dict | None, limits: SandboxLimits, require_isolation
                 "stdout_fd": out_fd,
                 "stderr_fd": err_fd,
             }
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT_COMMAND], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(out_fd, err_fd),
-                                    start_new_session=True, env={}, cwd="/")
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _BOOT_COMMAND],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(out_fd, err_fd),
+                start_new_session=True,
+                env={},
+                cwd="/",
+            )
             messages = _message(cfg) + (_message(tests) if tests is not None else b"")
             try:
                 status_lines, boot_err = proc.communicate(messages, timeout=limits.wall_time_s + _BOOT_GRACE_S)
@@ -258,8 +294,12 @@ def _result(status_lines: bytes, boot_err: bytes, out_fd: int, err_fd: int, outp
     isolation = (started or final).get("isolation", "none")
     if started is not None and isolation in ("landlock", "none") and not _warned_fallback.is_set():
         _warned_fallback.set()
-        warnings.warn(f"the code sandbox runs without namespaces ({started['reason']}): a weaker fallback, see "
-                      "SECURITY.md; pass require_isolation=True to refuse instead", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"the code sandbox runs without namespaces ({started['reason']}): a weaker fallback, see "
+            "SECURITY.md; pass require_isolation=True to refuse instead",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return SandboxResult(
         stdout=os.pread(out_fd, output_bytes, 0).decode(errors="replace"),
         stderr=os.pread(err_fd, output_bytes, 0).decode(errors="replace"),

@@ -5,7 +5,7 @@ Reward functions are named in configs: ``"arithmetic"`` (the demo's), any name e
 """
 
 import importlib
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from grpo_fast.tasks.arithmetic import arithmetic_reward
 
@@ -38,7 +38,7 @@ def get_reward_function(name) -> Callable:
     return func
 
 
-def load_rows(dataset: Optional[str], *, tokenizer=None, seed: int = 0, **options) -> list:
+def load_rows(dataset: str | None, *, tokenizer=None, seed: int = 0, **options) -> list:
     """Prompt rows: the arithmetic demo when ``dataset`` is None, else the file or folder at that path.
 
     ``options``: prompt_column, answer_column, system_prompt (see ``load_prompt_dataset``).

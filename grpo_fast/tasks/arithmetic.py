@@ -14,7 +14,6 @@ then EOS) and then the sums.
 
 import random
 import re
-from typing import Optional
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -25,7 +24,7 @@ CHARACTERS = tuple("0123456789+=")
 _NUMBER = re.compile(r"\d{1,3}")
 
 
-def build_tokenizer(vocab_size: Optional[int] = None) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: every character is one token; decoding joins them.
 
     ``vocab_size`` pads the vocabulary with unused tokens ``<w0>``, ``<w1>``, ... (benchmarks

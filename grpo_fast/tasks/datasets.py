@@ -44,7 +44,9 @@ def _read_saved_dataset(path: str) -> list[dict]:
     try:
         from datasets import DatasetDict, load_from_disk
     except ImportError as exc:
-        raise ImportError(f'{path} is a folder: reading a save_to_disk dataset needs `pip install "grpo-fast[data]"`') from exc
+        raise ImportError(
+            f'{path} is a folder: reading a save_to_disk dataset needs `pip install "grpo-fast[data]"`'
+        ) from exc
     data = load_from_disk(path)
     if isinstance(data, DatasetDict):
         if "train" in data:
@@ -52,7 +54,9 @@ def _read_saved_dataset(path: str) -> list[dict]:
         elif len(data) == 1:
             data = next(iter(data.values()))
         else:
-            raise ValueError(f"{path} holds splits {sorted(data)}; pass the folder of one split or save a 'train' split")
+            raise ValueError(
+                f"{path} holds splits {sorted(data)}; pass the folder of one split or save a 'train' split"
+            )
     return data.to_list()
 
 
@@ -66,8 +70,10 @@ def _format_prompt(prompt, tokenizer, system_prompt: str | None, row_index: int)
     elif isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
         messages = list(prompt)
     else:
-        raise TypeError(f"row {row_index}: the prompt must be a str or a list of {{'role', 'content'}} messages, "
-                        f"got {type(prompt).__name__}")
+        raise TypeError(
+            f"row {row_index}: the prompt must be a str or a list of {{'role', 'content'}} messages, "
+            f"got {type(prompt).__name__}"
+        )
     if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
@@ -77,8 +83,14 @@ def _format_prompt(prompt, tokenizer, system_prompt: str | None, row_index: int)
     return prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}"
 
 
-def load_prompt_dataset(path: str, *, prompt_column: str = "prompt", answer_column: str | None = None,
-                        tokenizer=None, system_prompt: str | None = None) -> list[dict]:
+def load_prompt_dataset(
+    path: str,
+    *,
+    prompt_column: str = "prompt",
+    answer_column: str | None = None,
+    tokenizer=None,
+    system_prompt: str | None = None,
+) -> list[dict]:
     """Rows of prompts (and reference answers) for training.
 
     path: a .jsonl / .json / .csv file, or a folder written by `datasets.Dataset.save_to_disk`
@@ -117,8 +129,9 @@ def load_prompt_dataset(path: str, *, prompt_column: str = "prompt", answer_colu
         if not isinstance(row, dict):
             raise ValueError(f"{path}: row {i} must be an object with named columns, got {type(row).__name__}")
         if prompt_column not in row:
-            raise ValueError(f"prompt_column {prompt_column!r} is missing from row {i} of {path}; "
-                             f"its columns are {list(row)}")
+            raise ValueError(
+                f"prompt_column {prompt_column!r} is missing from row {i} of {path}; its columns are {list(row)}"
+            )
         new = {k: v for k, v in row.items() if k != prompt_column}
         new["prompt"] = _format_prompt(row[prompt_column], tokenizer, system_prompt, i)
         if answer_column is not None:

@@ -10,7 +10,6 @@ import os
 import random
 import re
 import tempfile
-from typing import Optional
 
 import numpy as np
 import torch
@@ -91,6 +90,6 @@ def load_checkpoint(path: str) -> dict:
     return state
 
 
-def latest_checkpoint(output_dir: str) -> Optional[str]:
+def latest_checkpoint(output_dir: str) -> str | None:
     paths = list_checkpoints(output_dir)
     return paths[-1] if paths else None

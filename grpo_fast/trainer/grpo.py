@@ -35,8 +35,7 @@ import time
 import numpy as np
 import torch
 
-from grpo_fast import fused_linear_grpo_loss, fused_linear_token_logprobs, group_advantages, policy_loss
-from grpo_fast import token_logprobs
+from grpo_fast import fused_linear_grpo_loss, fused_linear_token_logprobs, group_advantages, policy_loss, token_logprobs
 from grpo_fast.outputs import GroupAdvantages
 from grpo_fast.tasks import DATASET_REWARDS, DEMO_REWARDS, get_reward_function, load_rows
 from grpo_fast.trainer import checkpoint as ckpt
@@ -62,7 +61,6 @@ from grpo_fast.trainer.rollout import (
     rollout,
     select_groups,
 )
-
 
 # The loss and the loss metrics that each backward pass logs (LossOutput's fields but ratio_mean).
 PASS_METRICS = ("loss", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy")
@@ -226,8 +224,9 @@ class GRPOTrainer:
         batch = self.sample_groups()
         if self.reference is not None and batch.input_ids.shape[0]:
             with reference_context(self.policy, self.reference):
-                ref = packed_completion_logprobs(self.reference, self.micro_batches(batch),
-                                                 temperature=self.config.temperature, bf16=self.bf16)  # fmt: skip
+                ref = packed_completion_logprobs(
+                    self.reference, self.micro_batches(batch), temperature=self.config.temperature, bf16=self.bf16
+                )
             batch = dataclasses.replace(batch, ref_logprobs=ref)
         return batch
 
@@ -291,12 +290,24 @@ class GRPOTrainer:
                 head = self.policy.get_output_embeddings()
                 hidden = to_grid(packed_hidden(self.policy, packed), packed)  # [n, C, H]
                 ids = to_grid(packed.targets, packed)
-                out = fused_linear_grpo_loss(hidden, head.weight, ids, adv, mask, old, ref, bias=head.bias,
-                                             num_items_in_batch=num_items, return_entropy=True, loss_config=config)
+                out = fused_linear_grpo_loss(
+                    hidden,
+                    head.weight,
+                    ids,
+                    adv,
+                    mask,
+                    old,
+                    ref,
+                    bias=head.bias,
+                    num_items_in_batch=num_items,
+                    return_entropy=True,
+                    loss_config=config,
+                )
                 if not want_logprobs:
                     return out, None
-                logp = fused_linear_token_logprobs(hidden.detach(), head.weight.detach(), ids, bias=head.bias,
-                                                   temperature=config.temperature)  # fmt: skip
+                logp = fused_linear_token_logprobs(
+                    hidden.detach(), head.weight.detach(), ids, bias=head.bias, temperature=config.temperature
+                )
                 return out, logp
             logits = packed_logits(self.policy, packed)  # [1, Nc, V]
         logp, entropy = token_logprobs(logits, packed.targets, temperature=config.temperature, return_entropy=True)
@@ -449,7 +460,8 @@ class GRPOTrainer:
             for name, value in state["model"].items():
                 if params[name].shape != value.shape:
                     raise ckpt.CheckpointError(
-                        f"checkpoint {path!r}: {name} has shape {list(value.shape)}, the model {list(params[name].shape)}"
+                        f"checkpoint {path!r}: {name} has shape {list(value.shape)}, "
+                        f"the model {list(params[name].shape)}"
                     )
                 params[name].copy_(value)
         self.optimizer.load_state_dict(state["optimizer"])

@@ -101,8 +101,19 @@ def to_grid(values: torch.Tensor, packed: Packed) -> torch.Tensor:
     return grid.index_put(packed.grid, values)
 
 
-def packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, *,
-                cu_seq_lens_q: torch.Tensor, max_length_q: int, **kwargs):
+def packed_sdpa(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling=None,
+    *,
+    cu_seq_lens_q: torch.Tensor,
+    max_length_q: int,
+    **kwargs,
+):
     """Attention of sequences packed in one row, each causal and to itself (a transformers
     attention function; see the module docstring).
 
@@ -165,8 +176,15 @@ def packed_attention(model):
 
 def _packed_inputs(packed: Packed) -> dict:
     cu, longest = packed.cu_seqlens, packed.max_length
-    return dict(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # fmt: skip
+    return dict(
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        use_cache=False,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=longest,
+        max_length_k=longest,
+    )
 
 
 def packed_logits(model, packed: Packed) -> torch.Tensor:

@@ -186,8 +186,9 @@ class PPOTrainer(GRPOTrainer):
         scores = batch.advantages.rewards  # [N], the weighted reward sum, NaN where unscored
         mask = batch.completion_mask * (~scores.isnan()).unsqueeze(1)  # [N, C]
         old_values = self.rollout_values(batch)  # [N, C]
-        advantages, returns = gae(terminal_rewards(scores.nan_to_num(0.0), mask), old_values, mask,
-                                  config.gamma, config.lam)
+        advantages, returns = gae(
+            terminal_rewards(scores.nan_to_num(0.0), mask), old_values, mask, config.gamma, config.lam
+        )
         if config.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}

@@ -19,8 +19,8 @@ Sequence layout, N = num_prompts * G rows (see :class:`~grpo_fast.trainer.genera
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -182,9 +182,11 @@ def select_groups(batch: Rollout, groups: torch.Tensor, group_size: int) -> Roll
         prompts=[batch.prompts[i] for i in rows],
         completions=[batch.completions[i] for i in rows],
         columns={key: [values[i] for i in rows] for key, values in batch.columns.items()},
-        **{name: getattr(batch, name)[pick.to(getattr(batch, name).device)]
-           for name in ("input_ids", "attention_mask", "completion_mask", "rewards")},
-    )  # fmt: skip
+        **{
+            name: getattr(batch, name)[pick.to(getattr(batch, name).device)]
+            for name in ("input_ids", "attention_mask", "completion_mask", "rewards")
+        },
+    )
 
 
 def concat_rollouts(parts: list, pad_token_id: int) -> Rollout:
@@ -207,11 +209,11 @@ def concat_rollouts(parts: list, pad_token_id: int) -> Rollout:
         columns={key: [v for part in parts for v in part.columns[key]] for key in parts[0].columns},
         input_ids=torch.cat([widen(part.input_ids, c, pad_token_id) for part, c in zip(parts, widths)]),
         attention_mask=torch.cat([widen(part.attention_mask, c, 0) for part, c in zip(parts, widths)]),
-        completion_mask=torch.cat([
-            torch.nn.functional.pad(part.completion_mask, (0, C - c)) for part, c in zip(parts, widths)
-        ]),
+        completion_mask=torch.cat(
+            [torch.nn.functional.pad(part.completion_mask, (0, C - c)) for part, c in zip(parts, widths)]
+        ),
         rewards=torch.cat([part.rewards for part in parts]),
-    )  # fmt: skip
+    )
 
 
 def rollout(generator, rows: list, keys: list, reward_funcs: list, *, group_size: int) -> Rollout:

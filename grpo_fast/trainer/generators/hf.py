@@ -19,8 +19,10 @@ class HFGenerator:
 
         model, tokenizer, config = self.model, self.tokenizer, self.config
         device = next(model.parameters()).device
-        ids, mask = (x.repeat_interleave(group_size, dim=0).to(device)
-                     for x in encode_prompts(tokenizer, prompts, config.max_prompt_length))
+        ids, mask = (
+            x.repeat_interleave(group_size, dim=0).to(device)
+            for x in encode_prompts(tokenizer, prompts, config.max_prompt_length)
+        )
         gen_config = GenerationConfig(
             do_sample=True,
             temperature=config.temperature,
@@ -33,4 +35,4 @@ class HFGenerator:
         )
         with evaluating(model), autocast(device, self.bf16):
             sequences = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
-        return assemble(tokenizer, ids, mask, sequences[:, ids.shape[1]:])
+        return assemble(tokenizer, ids, mask, sequences[:, ids.shape[1] :])

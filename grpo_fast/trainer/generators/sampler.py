@@ -88,16 +88,23 @@ class Sampler:
         from transformers import DynamicCache
 
         prefix = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                         use_cache=True, logits_to_keep=1, **{self.cache_argument: prefix})  # fmt: skip
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_argument: prefix},
+        )
         logits = out.logits[:, -1].repeat_interleave(group_size, dim=0)  # [N, V]
         if not self.static_cache:
             prefix.batch_repeat_interleave(group_size)
             return logits, prefix
         cache = self._static_cache(logits.shape[0], max_length)
         for layer, shared in zip(cache.layers, prefix.layers):
-            layer.update(shared.keys.repeat_interleave(group_size, dim=0),
-                         shared.values.repeat_interleave(group_size, dim=0))  # fmt: skip
+            layer.update(
+                shared.keys.repeat_interleave(group_size, dim=0), shared.values.repeat_interleave(group_size, dim=0)
+            )
         return logits, cache
 
     @torch.no_grad()
@@ -112,8 +119,9 @@ class Sampler:
             raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
         G, T = group_size, config.max_new_tokens
         multiple = STATIC_PROMPT_MULTIPLE if self.config.compile_generation else None
-        prompt_ids, prompt_mask = (x.to(device) for x in encode_prompts(self.tokenizer, prompts,
-                                                                        config.max_prompt_length, multiple))
+        prompt_ids, prompt_mask = (
+            x.to(device) for x in encode_prompts(self.tokenizer, prompts, config.max_prompt_length, multiple)
+        )
         N, P = len(prompts) * G, prompt_ids.shape[1]
         eos = self.tokenizer.eos_token_id
         key_tensor = torch.as_tensor(keys, dtype=torch.long, device=device).repeat_interleave(G)
@@ -129,8 +137,13 @@ class Sampler:
         with evaluating(self.model), autocast(device, self.bf16):
             logits, cache = self._prefill(prompt_ids, prompt_mask, G, P + T)
             for t in range(T):
-                token, logp = sample_tokens(logits, stream_uniforms(streams, t), temperature=config.temperature,
-                                            top_k=config.top_k, top_p=config.top_p)  # fmt: skip
+                token, logp = sample_tokens(
+                    logits,
+                    stream_uniforms(streams, t),
+                    temperature=config.temperature,
+                    top_k=config.top_k,
+                    top_p=config.top_p,
+                )
                 tokens[rows, t], logprobs[rows, t] = token, logp
                 steps = t + 1
                 live = live & (token != eos)
@@ -143,9 +156,13 @@ class Sampler:
                         x[keep] for x in (rows, streams, positions, mask, token, live)
                     )
                 step_mask = mask if self.static_cache else mask[:, : P + t + 1]
-                out = self._forward(input_ids=token.unsqueeze(1), attention_mask=step_mask,
-                                    position_ids=(positions + t).unsqueeze(1), use_cache=True,
-                                    **{self.cache_argument: cache})  # fmt: skip
+                out = self._forward(
+                    input_ids=token.unsqueeze(1),
+                    attention_mask=step_mask,
+                    position_ids=(positions + t).unsqueeze(1),
+                    use_cache=True,
+                    **{self.cache_argument: cache},
+                )
                 logits = out.logits[:, -1]
         ids, prompt_mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
         return assemble(self.tokenizer, ids, prompt_mask, tokens[:, :steps], logprobs[:, :steps])

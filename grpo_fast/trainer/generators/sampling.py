@@ -94,8 +94,9 @@ def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0):
     return ordered.masked_fill(mass_before >= top_p, float("-inf")), order
 
 
-def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0):
+def sample_tokens(
+    logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+):
     """Draws one token per row by inverse-CDF sampling with the given uniforms.
 
     Args:
