@@ -62,6 +62,11 @@ class PolicyBatch(NamedTuple):
         shape = self.mask.shape
         return PolicyBatch(*(None if x is None else x.expand(shape).reshape(-1).contiguous() for x in self))
 
+    def take(self, idx: torch.Tensor) -> "PolicyBatch":
+        """Every tensor at the flat token positions ``idx`` [n], as [n] arrays."""
+        shape = self.mask.shape
+        return PolicyBatch(*(None if x is None else x.expand(shape).reshape(-1)[idx] for x in self))
+
     def rows(self, r: slice) -> "PolicyBatch":
         """Flat token rows ``r`` of every tensor (token-level ratios only: rows are independent)."""
         shape = self.mask.shape

@@ -121,6 +121,11 @@ def _logprobs_sweep(hidden2d, weight, bias, ids, temperature, rows, backend, ret
     return logp, lse, entropy
 
 
+def _scatter(values: torch.Tensor, idx: torch.Tensor, N: int, compact: bool) -> torch.Tensor:
+    """values [Na] of the active tokens at their flat positions idx of an [N] zero vector."""
+    return values.new_zeros(N).index_copy_(0, idx, values) if compact else values
+
+
 class FusedLinearGRPOFunction(torch.autograd.Function):
     """(hidden [B, T, H], weight [V, H], bias [V] or None) -> (loss, logp [B, T][, entropy]).
 
@@ -134,43 +139,51 @@ class FusedLinearGRPOFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, ids, batch, config, return_entropy, rows, wanted, fp32_weight_grad, backend):
         B, T, H = hidden.shape
         N = B * T
-        hidden2d = hidden.reshape(N, H)
-        flat_ids = ids.reshape(-1)
         temperature = float(config.temperature)
         _, bwd = _kernels(backend)
-        grads = _grad_buffers(hidden2d, weight, bias, wanted, fp32_weight_grad)
+        # Only active (mask != 0) tokens are swept: padding costs no matmul and no vocabulary
+        # pass. idx [Na] are their flat positions; the sweep works on [Na] rows throughout.
+        idx = batch.mask.reshape(-1).nonzero().squeeze(1)
+        compact = idx.numel() < N
+        h = hidden.reshape(N, H)[idx] if compact else hidden.reshape(N, H)  # [Na, H]
+        tok = ids.reshape(-1)[idx] if compact else ids.reshape(-1)  # [Na]
+        tokens = batch.take(idx)  # the per-token inputs of those rows, flat [Na]
+        grads = _grad_buffers(h, weight, bias, wanted, fp32_weight_grad)
         # With token-level ratios a token's dL/dlogp depends on its own logp only: known per chunk.
         one_sweep = any(wanted) and config.importance_sampling == "token"
 
         def backward_now(z, r, logp_rows, lse_rows):
-            g = logp_grad(logp_rows, batch.rows(r), config)
-            _chunk_backward(z, flat_ids[r], lse_rows, g, temperature, hidden2d[r], weight, bwd, grads, r)
+            g = logp_grad(logp_rows, tokens.rows(r), config)
+            _chunk_backward(z, tok[r], lse_rows, g, temperature, h[r], weight, bwd, grads, r)
 
-        logp, lse, entropy = _logprobs_sweep(
-            hidden2d,
+        logp_a, lse, entropy_a = _logprobs_sweep(
+            h,
             weight,
             bias,
-            flat_ids,
+            tok,
             temperature,
             rows,
             backend,
             return_entropy,
             on_chunk=backward_now if one_sweep else None,
         )
-        logp = logp.view(B, T)
+        logp = _scatter(logp_a, idx, N, compact).view(B, T)  # 0 on padding
         if any(wanted) and not one_sweep:  # sequence-level ratios: g needs every logp first
-            g = logp_grad(logp, batch, config).view(-1)
-            for r in _chunks(N, rows):
-                z = _chunk_logits(hidden2d[r], weight, bias)
-                _chunk_backward(z, flat_ids[r], lse[r], g[r], temperature, hidden2d[r], weight, bwd, grads, r)
+            g = logp_grad(logp, batch, config).view(-1)[idx]
+            for r in _chunks(idx.numel(), rows):
+                z = _chunk_logits(h[r], weight, bias)
+                _chunk_backward(z, tok[r], lse[r], g[r], temperature, h[r], weight, bwd, grads, r)
 
-        ctx.grads = grads
+        grad_hidden, grad_weight, grad_bias = grads
+        if grad_hidden is not None and compact:
+            grad_hidden = torch.zeros_like(hidden.reshape(N, H)).index_copy_(0, idx, grad_hidden)
+        ctx.grads = grad_hidden, grad_weight, grad_bias
         ctx.hidden_shape = hidden.shape
         loss = policy_loss(logp, batch, config).loss
         ctx.mark_non_differentiable(logp)
-        if entropy is None:
+        if entropy_a is None:
             return loss, logp
-        entropy = entropy.view(B, T)
+        entropy = _scatter(entropy_a, idx, N, compact).view(B, T)
         ctx.mark_non_differentiable(entropy)
         return loss, logp, entropy
 
