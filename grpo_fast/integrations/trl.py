@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor
 from trl.trainer.utils import maybe_gather_lm_head_ctx, nanmax, nanmin
 
 from grpo_fast.ops._backend import select_backend
-from grpo_fast.ops._policy import PolicyBatch, loss_terms
+from grpo_fast.ops._policy import LossInputs, PolicyBatch, loss_terms
 from grpo_fast.ops.fused_linear_grpo_loss import FusedLinearGRPOFunction, _chunk_rows, fused_linear_token_logprobs
 from grpo_fast.spec import LOSS_TYPES, LossConfig, accumulate_dtype
 
@@ -180,18 +180,8 @@ class LossHead:
                     weights = high if weights is None else weights * high
                 # dapo/cispo: the token sum (normaliser 1); TRL's normaliser divides it afterwards
                 num_items = 1 if config.kind.aggregation == "global_tokens" else None
-                self.batch = PolicyBatch.prepare(
-                    config,
-                    (B, T),
-                    accumulate_dtype(hidden),
-                    hidden.device,
-                    self.advantages,
-                    mask,
-                    self.old,
-                    self.ref,
-                    weights,
-                    num_items,
-                )
+                inputs = LossInputs(self.advantages, mask, self.old, self.ref, weights, num_items)
+                self.batch = PolicyBatch.prepare(config, (B, T), accumulate_dtype(hidden), hidden.device, inputs)
                 # fused_linear_grpo_loss, keeping the per-token log-probs that TRL's per-sequence metrics need
                 wanted = tuple(
                     torch.is_grad_enabled() and x is not None and x.requires_grad for x in (hidden, weight, bias)

@@ -9,12 +9,41 @@ depends on that token alone, the fused LM head evaluates it chunk by chunk on fl
 rows (:meth:`PolicyBatch.rows`).
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
 
+from grpo_fast.ops._validate import check_loss_batch
 from grpo_fast.outputs import LossOutput
 from grpo_fast.spec import IMPORTANCE_LEVELS, LossConfig, loss_metrics, per_token_loss, without_padding
+
+
+class LossInputs(NamedTuple):
+    """A call's per-token inputs as the public ops take them (see :func:`grpo_fast.grpo_loss`)."""
+
+    advantages: torch.Tensor
+    mask: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    importance_weights: torch.Tensor | None = None
+    num_items_in_batch: torch.Tensor | float | None = None
+
+    def check(self, B: int, T: int, config: LossConfig) -> "LossInputs":
+        check_loss_batch(B, T, config, self)
+        return self
+
+    def run_reference(self, fn, *leading, config: LossConfig, **keywords):
+        """``fn`` of ``grpo_fast.reference`` on ``leading`` (logits and ids, or log-probs) and
+        these inputs (``GRPO_FAST_BACKEND=reference``)."""
+        return fn(
+            *leading,
+            *self[:4],
+            num_items_in_batch=self.num_items_in_batch,
+            importance_weights=self.importance_weights,
+            **keywords,
+            **dataclasses.asdict(config),
+        )
 
 
 class PolicyBatch(NamedTuple):
@@ -31,20 +60,8 @@ class PolicyBatch(NamedTuple):
     ref: torch.Tensor | None
 
     @classmethod
-    def prepare(
-        cls,
-        config: LossConfig,
-        shape,
-        dtype,
-        device,
-        advantages,
-        mask=None,
-        old_logprobs=None,
-        ref_logprobs=None,
-        importance_weights=None,
-        num_items_in_batch=None,
-    ) -> "PolicyBatch":
-        """From validated arguments on the [B, T] grid ``shape``, in ``dtype`` on ``device``."""
+    def prepare(cls, config: LossConfig, shape, dtype, device, inputs: LossInputs) -> "PolicyBatch":
+        """From validated inputs on the [B, T] grid ``shape``, in ``dtype`` on ``device``."""
 
         def convert(x):
             if x is None:
@@ -52,10 +69,10 @@ class PolicyBatch(NamedTuple):
             x = x.detach().to(device=device, dtype=dtype)
             return x.unsqueeze(1) if x.dim() == 1 else x
 
-        m = torch.ones(shape, dtype=dtype, device=device) if mask is None else convert(mask)
-        weights = config.aggregation.token_weights(m, config, num_items_in_batch)
-        inputs = without_padding(m, *map(convert, (advantages, importance_weights, old_logprobs, ref_logprobs)))
-        return cls(m, weights, *inputs)
+        m = torch.ones(shape, dtype=dtype, device=device) if inputs.mask is None else convert(inputs.mask)
+        weights = config.aggregation.token_weights(m, config, inputs.num_items_in_batch)
+        tensors = (inputs.advantages, inputs.importance_weights, inputs.old_logprobs, inputs.ref_logprobs)
+        return cls(m, weights, *without_padding(m, *map(convert, tensors)))
 
     def flat(self) -> "PolicyBatch":
         """Every tensor as a contiguous [B * T] array (the Triton kernel's layout)."""

@@ -59,18 +59,9 @@ def check_token_tensor(name: str, x, B: int, T: int, *, allow_sequence: bool) ->
         raise TypeError(f"{name} must be real, got {x.dtype}")
 
 
-def check_loss_batch(
-    B: int,
-    T: int,
-    config: LossConfig,
-    advantages,
-    mask,
-    old_logprobs,
-    ref_logprobs,
-    importance_weights,
-    num_items_in_batch,
-) -> None:
-    """Checks the per-batch arguments of the policy loss against the token grid [B, T]."""
+def check_loss_batch(B: int, T: int, config: LossConfig, inputs) -> None:
+    """Checks a call's per-token inputs (``ops._policy.LossInputs``) against the token grid [B, T]."""
+    advantages, mask, old_logprobs, ref_logprobs, importance_weights, n = inputs
     if advantages is None:
         raise ValueError("advantages is required: [B] per sequence or [B, T] per token")
     check_token_tensor("advantages", advantages, B, T, allow_sequence=True)
@@ -80,7 +71,6 @@ def check_loss_batch(
     check_token_tensor("importance_weights", importance_weights, B, T, allow_sequence=True)
     if config.beta != 0 and ref_logprobs is None:
         raise ValueError(f"ref_logprobs [B, T] is required when beta != 0 (beta={config.beta})")
-    n = num_items_in_batch
     if n is None:
         return
     if isinstance(n, torch.Tensor):

@@ -22,14 +22,12 @@ couples the tokens of a row: there the forward sweeps once for logp, forms g on 
 [B, T] grid, and sweeps again, recomputing the logits, for the gradients (four matmuls).
 """
 
-import dataclasses
-
 import torch
 
 from grpo_fast import reference
 from grpo_fast.ops._backend import select_backend
-from grpo_fast.ops._policy import PolicyBatch, logp_grad, policy_loss
-from grpo_fast.ops._validate import check_ids, check_loss_batch, check_temperature, check_tensor, loss_options
+from grpo_fast.ops._policy import LossInputs, PolicyBatch, logp_grad, policy_loss
+from grpo_fast.ops._validate import check_ids, check_temperature, check_tensor, loss_options
 from grpo_fast.ops.token_logprobs import _kernels
 from grpo_fast.outputs import LossOutput
 from grpo_fast.spec import LossConfig, accumulate_dtype
@@ -333,34 +331,13 @@ def fused_linear_grpo_loss(
     _check_linear(hidden, weight, bias, ids, config.temperature, chunk_size)
     B, T, H = hidden.shape
     V = weight.shape[0]
-    check_loss_batch(B, T, config, advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
+    inputs = LossInputs(advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
+    inputs.check(B, T, config)
     backend = select_backend(hidden)
     if backend == "reference":
         logits = _chunk_logits(hidden.reshape(B * T, H), weight, bias).view(B, T, V)
-        return reference.grpo_loss(
-            logits,
-            ids,
-            advantages,
-            mask,
-            old_logprobs,
-            ref_logprobs,
-            num_items_in_batch=num_items_in_batch,
-            importance_weights=importance_weights,
-            return_entropy=return_entropy,
-            **dataclasses.asdict(config),
-        )
-    batch = PolicyBatch.prepare(
-        config,
-        (B, T),
-        accumulate_dtype(hidden),
-        hidden.device,
-        advantages,
-        mask,
-        old_logprobs,
-        ref_logprobs,
-        importance_weights,
-        num_items_in_batch,
-    )
+        return inputs.run_reference(reference.grpo_loss, logits, ids, config=config, return_entropy=return_entropy)
+    batch = PolicyBatch.prepare(config, (B, T), accumulate_dtype(hidden), hidden.device, inputs)
     wanted = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (hidden, weight, bias))
     rows = _chunk_rows(B * T, V, hidden.element_size(), hidden.device, chunk_size)
     loss, logp, *entropy = FusedLinearGRPOFunction.apply(

@@ -9,14 +9,12 @@ to the vocabulary sweep. Every option and per-loss-type rule comes from the loss
 (``grpo_fast/spec.py``).
 """
 
-import dataclasses
-
 import torch
 
 from grpo_fast import reference
 from grpo_fast.ops._backend import select_backend
-from grpo_fast.ops._policy import PolicyBatch, policy_loss
-from grpo_fast.ops._validate import check_ids, check_loss_batch, check_tensor, loss_options
+from grpo_fast.ops._policy import LossInputs, PolicyBatch, policy_loss
+from grpo_fast.ops._validate import check_ids, check_tensor, loss_options
 from grpo_fast.ops.token_logprobs import TokenLogprobsFunction
 from grpo_fast.outputs import LossOutput
 from grpo_fast.spec import LossConfig, accumulate_dtype
@@ -122,33 +120,12 @@ def grpo_loss(
     check_tensor("logits", logits, 3)
     B, T, V = logits.shape
     check_ids(ids, (B, T), V)
-    check_loss_batch(B, T, config, advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
+    inputs = LossInputs(advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
+    inputs.check(B, T, config)
     backend = "triton" if launch is not None else select_backend(logits)
     if backend == "reference":
-        return reference.grpo_loss(
-            logits,
-            ids,
-            advantages,
-            mask,
-            old_logprobs,
-            ref_logprobs,
-            num_items_in_batch=num_items_in_batch,
-            importance_weights=importance_weights,
-            return_entropy=return_entropy,
-            **dataclasses.asdict(config),
-        )
-    batch = PolicyBatch.prepare(
-        config,
-        (B, T),
-        accumulate_dtype(logits),
-        logits.device,
-        advantages,
-        mask,
-        old_logprobs,
-        ref_logprobs,
-        importance_weights,
-        num_items_in_batch,
-    )
+        return inputs.run_reference(reference.grpo_loss, logits, ids, config=config, return_entropy=return_entropy)
+    batch = PolicyBatch.prepare(config, (B, T), accumulate_dtype(logits), logits.device, inputs)
     one_launch = config.importance_sampling == "token" and config.kind.kernel_kind is not None
     if backend == "triton" and one_launch:
         return _one_launch(logits, ids, batch, config, return_entropy, inplace_backward, launch or {})

@@ -6,15 +6,13 @@ log-probs), or a model with a custom head. The work is O(B * T): no vocabulary s
 path for every device (``ops/_policy.py``, what ``grpo_loss`` runs after its sweep).
 """
 
-import dataclasses
-
 import torch
 
 from grpo_fast import reference
 from grpo_fast.ops._backend import select_backend
-from grpo_fast.ops._policy import PolicyBatch
+from grpo_fast.ops._policy import LossInputs, PolicyBatch
 from grpo_fast.ops._policy import policy_loss as _policy_loss
-from grpo_fast.ops._validate import check_loss_batch, check_tensor, loss_options
+from grpo_fast.ops._validate import check_tensor, loss_options
 from grpo_fast.outputs import LossOutput
 from grpo_fast.spec import LossConfig, accumulate_dtype
 
@@ -53,32 +51,12 @@ def policy_loss(
     config = loss_config
     check_tensor("logprobs", logprobs, 2)
     B, T = logprobs.shape
-    check_loss_batch(B, T, config, advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
+    inputs = LossInputs(advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
+    inputs.check(B, T, config)
     if entropy is not None and tuple(entropy.shape) != (B, T):
         raise ValueError(f"entropy must have shape [B, T] = {[B, T]}, got {list(entropy.shape)}")
     if select_backend(logprobs) == "reference":
-        return reference.policy_loss(
-            logprobs,
-            advantages,
-            mask,
-            old_logprobs,
-            ref_logprobs,
-            num_items_in_batch=num_items_in_batch,
-            importance_weights=importance_weights,
-            entropy=entropy,
-            **dataclasses.asdict(config),
-        )
+        return inputs.run_reference(reference.policy_loss, logprobs, config=config, entropy=entropy)
     acc = accumulate_dtype(logprobs)
-    batch = PolicyBatch.prepare(
-        config,
-        (B, T),
-        acc,
-        logprobs.device,
-        advantages,
-        mask,
-        old_logprobs,
-        ref_logprobs,
-        importance_weights,
-        num_items_in_batch,
-    )
+    batch = PolicyBatch.prepare(config, (B, T), acc, logprobs.device, inputs)
     return _policy_loss(logprobs.to(acc), batch, config, None if entropy is None else entropy.to(acc))
