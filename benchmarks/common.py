@@ -2,8 +2,8 @@
 so that the ``grpo-fast bench`` commands of an installed package use the same code.
 
 Peak memory on CPU is the growth of the peak resident set of a fresh process that runs
-one configuration (DESIGN.md): ``run_isolated`` starts ``python SCRIPT --worker JSON``,
-and the worker reports ``peak_rss_growth`` around its first call.
+one configuration (docs/design.md, "How we measure"): ``run_isolated`` starts
+``python SCRIPT --worker JSON``, and the worker reports ``peak_rss_growth`` around its first call.
 """
 
 import sys
