@@ -5,8 +5,11 @@
     grpo-fast train --config run.yaml --steps 500    # YAML config, flags override it
     grpo-fast train --output runs/x --resume         # continue a run from its last checkpoint
     grpo-fast bench memory --preset 100m             # what PPO's critic costs next to GRPO (memory, time)
+    torchrun --nproc-per-node 8 -m grpo_fast train --model PATH ... [--parallel fsdp]   # many devices
 
 Every field of :class:`GRPOConfig` is also a flag (``--learning-rate``, ``--beta``, ...).
+Under torchrun every rank runs this; rank 0 alone prints the summary, and a rank's error is
+printed with its rank.
 """
 
 import argparse
@@ -105,18 +108,22 @@ def make_config(args: argparse.Namespace) -> GRPOConfig:
 def train(args: argparse.Namespace) -> int:
     import torch
 
-    from grpo_fast.trainer import GRPOTrainer
+    from grpo_fast.trainer import GRPOTrainer, distributed
 
     config = make_config(args)
     if config.model is None and not torch.cuda.is_available():
         # The demo's matrices are 64 wide: one thread beats two that synchronise every op.
         torch.set_num_threads(1)
     trainer = GRPOTrainer(config)
+    main_rank = trainer.ranks.is_main
     if args.resume:
         step = trainer.resume()
-        print(f"resumed {trainer.output_dir} at step {step}", file=sys.stderr)
+        if main_rank:
+            print(f"resumed {trainer.output_dir} at step {step}", file=sys.stderr)
     trainer.train()
-    print(trainer.summary)
+    if main_rank:
+        print(trainer.summary)
+    distributed.shutdown()
     return 0
 
 
@@ -133,7 +140,8 @@ def main(argv=None) -> int:
             return memory.main(args.options, prog=f"{parser.prog} bench {args.benchmark}")
         return train(args)
     except (ValueError, FileNotFoundError, CheckpointError, RewardError) as exc:
-        print(f"grpo-fast: error: {exc}", file=sys.stderr)
+        rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+        print(f"grpo-fast: error{rank}: {exc}", file=sys.stderr)
         return 2
 
 

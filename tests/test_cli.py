@@ -79,7 +79,7 @@ def test_resume_from_a_corrupt_checkpoint_exits_2(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert main(["train", "--output", out, *SMALL]) == 0
     path = ckpt.latest_checkpoint(out)
-    with open(path, "r+b") as f:
+    with open(os.path.join(path, "__0_0.distcp"), "r+b") as f:  # the weights and optimizer states
         f.truncate(100)
     assert main(["train", "--resume", "--output", out, "--no-progress"]) == 2
     assert f"checkpoint {path!r} is corrupt or unreadable" in capsys.readouterr().err

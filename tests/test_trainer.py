@@ -153,6 +153,23 @@ def test_fused_linear_loss_gives_the_logits_path_gradient(tmp_path):
     assert rel_err(torch.cat(logprobs[1])[m], truth[m]) < 1e-5
 
 
+def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
+    """Recomputing activations in the backward (the packed attention holds through it) changes
+    no gradient, with the full model and with LoRA."""
+    for lora_r in (0, 4):
+        grads = []
+        for checkpointing in (False, True):
+            config = small_config(tmp_path, beta=0.1, max_tokens_per_micro_batch=24, lora_r=lora_r)
+            config.gradient_checkpointing = checkpointing
+            tokenizer = build_tokenizer()
+            trainer = GRPOTrainer(config, model=build_model(tokenizer, seed=2), tokenizer=tokenizer)
+            if not grads:
+                batch = off_policy(trainer, trainer.compute_advantages(trainer.make_rollout()))
+            trainer.accumulate_gradients(batch, batch.completion_mask.sum())
+            grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters() if p.requires_grad]))
+        assert grads[0].norm() > 0 and rel_err(grads[1], grads[0]) < 1e-6, lora_r
+
+
 def test_reference_is_none_copy_or_lora_without_adapters(tmp_path):
     assert GRPOTrainer(small_config(tmp_path, beta=0.0)).reference is None
     trainer = GRPOTrainer(small_config(tmp_path, beta=0.1))
@@ -187,7 +204,7 @@ def test_metrics_checkpoints_and_final_model(tmp_path):
     for m in logged:
         assert set(METRIC_KEYS) <= set(m)
         assert 0.0 <= m["reward_mean"] <= 1.0 and m["completion_len_mean"] >= 1 and m["kl"] >= 0
-    assert os.listdir(run / "checkpoints") == ["step-000004.pt"]  # keep_checkpoints=1, no temp files
+    assert os.listdir(run / "checkpoints") == ["step-000004"]  # keep_checkpoints=1, no temp folders
     assert (run / "reward.png").stat().st_size > 0
     reloaded = type(trainer.policy).from_pretrained(run / "final")
     for (name, p), q in zip(trainer.policy.named_parameters(), reloaded.parameters()):
@@ -201,7 +218,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     GRPOTrainer(small_config(tmp_path, **config)).train()
     full = read_metrics(str(tmp_path / "run"))
     shutil.copytree(tmp_path / "run", tmp_path / "cut")
-    os.remove(ckpt.checkpoint_path(str(tmp_path / "cut"), 6))
+    shutil.rmtree(ckpt.checkpoint_path(str(tmp_path / "cut"), 6))
 
     resumed = GRPOTrainer(small_config(tmp_path, output_dir=str(tmp_path / "cut"), **config))
     assert resumed.resume() == 4
@@ -219,12 +236,13 @@ def test_corrupt_or_foreign_checkpoint_is_a_clear_error(tmp_path):
     trainer = GRPOTrainer(small_config(tmp_path, steps=1))
     trainer.train()
     path = ckpt.checkpoint_path(str(tmp_path / "run"), 1)
-    data = open(path, "rb").read()
-    with open(path, "wb") as f:
+    shards = os.path.join(path, "__0_0.distcp")  # the weights and optimizer states
+    data = open(shards, "rb").read()
+    with open(shards, "wb") as f:
         f.write(data[: len(data) // 2])
-    with pytest.raises(ckpt.CheckpointError, match="step-000001.pt.*corrupt or unreadable"):
+    with pytest.raises(ckpt.CheckpointError, match="step-000001.*corrupt or unreadable"):
         GRPOTrainer(small_config(tmp_path, steps=2)).resume()
-    torch.save({"step": 1}, path)
+    torch.save({"step": 1}, os.path.join(path, ckpt.TRAINER_STATE))
     with pytest.raises(ckpt.CheckpointError, match="missing"):
         GRPOTrainer(small_config(tmp_path, steps=2)).resume()
     with pytest.raises(FileNotFoundError, match="no checkpoint"):

@@ -1,25 +1,35 @@
-"""Checkpoints: one file per step, written atomically, holding everything a resume needs.
+"""Checkpoints: one folder per step, written by every rank, complete or invisible.
 
-``<output_dir>/checkpoints/step-000050.pt`` holds the trainable weights, optimizer,
-scheduler, every RNG state, the step and the data position. It is written to a temporary
-file in the same directory and renamed into place, so a crash mid-write never leaves a
-file that looks like a checkpoint.
+    <output_dir>/checkpoints/step-000050/
+        .metadata, __0_0.distcp, ...   the trainable weights and AdamW states, by name
+                                       (torch.distributed.checkpoint: each rank writes its
+                                       shards, a replicated tensor once)
+        trainer.pt                     step, data position, LR schedule, config (rank 0)
+        rng-0.pt, rng-1.pt, ...        each rank's RNG states
+
+Every rank writes into ``checkpoints/.tmp-step-000050``; when all are done (a barrier) rank 0
+renames the folder into place, so a crash mid-write never leaves a folder that looks like a
+checkpoint. Tensors are stored with their global shapes, so a checkpoint loads at any world
+size, under DDP or FSDP2 (resharded on load), and in a plain process without a process group.
 """
 
+import contextlib
 import os
 import random
 import re
-import tempfile
+import shutil
+import warnings
 
 import numpy as np
 import torch
 
-_NAME = re.compile(r"step-(\d+)\.pt")
-REQUIRED_KEYS = ("step", "data_position", "model", "optimizer", "scheduler", "rng", "config")
+_NAME = re.compile(r"step-(\d+)")
+TRAINER_STATE = "trainer.pt"
+REQUIRED_KEYS = ("step", "data_position", "scheduler", "config")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or is missing parts of the state."""
+    """A checkpoint that cannot be read, is missing parts of the state or is another model's."""
 
 
 def rng_state() -> dict:
@@ -37,29 +47,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def atomic_save(obj, path: str) -> None:
-    """``torch.save`` to a temporary file next to ``path``, fsync, then rename over ``path``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def checkpoint_path(output_dir: str, step: int) -> str:
-    return os.path.join(output_dir, "checkpoints", f"step-{step:06d}.pt")
+    return os.path.join(output_dir, "checkpoints", f"step-{step:06d}")
 
 
 def list_checkpoints(output_dir: str) -> list:
-    """Checkpoint paths in ``output_dir``, oldest first."""
+    """Checkpoint folders in ``output_dir``, oldest first."""
     directory = os.path.join(output_dir, "checkpoints")
     if not os.path.isdir(directory):
         return []
@@ -67,29 +60,134 @@ def list_checkpoints(output_dir: str) -> list:
     return [checkpoint_path(output_dir, s) for s in steps]
 
 
-def save_checkpoint(output_dir: str, state: dict, keep: int) -> str:
-    """Writes ``state`` (with the REQUIRED_KEYS) for ``state["step"]``; keeps the newest ``keep``."""
-    path = checkpoint_path(output_dir, state["step"])
-    atomic_save(state, path)
-    for old in list_checkpoints(output_dir)[:-keep]:
-        os.remove(old)
-    return path
-
-
-def load_checkpoint(path: str) -> dict:
-    """Reads a checkpoint; a truncated, corrupt or incomplete file is a :class:`CheckpointError`."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {path!r} is corrupt or unreadable ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {path!r} does not hold a state dict, got {type(state).__name__}")
-    missing = [key for key in REQUIRED_KEYS if key not in state]
-    if missing:
-        raise CheckpointError(f"checkpoint {path!r} is missing {missing}")
-    return state
-
-
 def latest_checkpoint(output_dir: str) -> str | None:
     paths = list_checkpoints(output_dir)
     return paths[-1] if paths else None
+
+
+def _model_and_optimizer(model, optimizer) -> dict:
+    """``{"model": trainable weights by name, "optimizer": its states by parameter name}``:
+    this rank's shards under FSDP2 (DTensors), whole tensors otherwise."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    weights, states = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": weights, "optimizer": states}
+
+
+@contextlib.contextmanager
+def _quiet_without_process_group():
+    """DCP warns on each save and load without a process group that it assumes a single
+    process: that is this module's plain-process case, not a mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _save(obj, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(output_dir: str, state: dict, model, optimizer, ranks, keep: int) -> str:
+    """Writes the checkpoint of ``state["step"]`` (``state`` holds the REQUIRED_KEYS) with the
+    trainable weights of ``model`` and the states of ``optimizer``; keeps the newest ``keep``.
+    Every rank of ``ranks`` (a ``distributed.Ranks``) calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    path = checkpoint_path(output_dir, state["step"])
+    tmp = os.path.join(os.path.dirname(path), ".tmp-" + os.path.basename(path))
+    if ranks.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left
+    ranks.barrier()
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        _save(rng_state(), os.path.join(tmp, f"rng-{ranks.rank}.pt"))
+        if ranks.is_main:
+            _save(state, os.path.join(tmp, TRAINER_STATE))
+        with _quiet_without_process_group():
+            dcp.save(_model_and_optimizer(model, optimizer), checkpoint_id=tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    ranks.barrier()
+    if ranks.is_main:
+        shutil.rmtree(path, ignore_errors=True)  # the same step written again by a resumed run
+        os.replace(tmp, path)
+        for old in list_checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old)
+    ranks.barrier()
+    return path
+
+
+def load_checkpoint(path: str, model, optimizer, ranks) -> dict:
+    """Restores the trainable weights of ``model`` and the states of ``optimizer`` (resharded
+    to this job) and this rank's RNG states (rank 0's when the checkpoint had fewer ranks);
+    returns the trainer state (the REQUIRED_KEYS). A truncated, corrupt or incomplete
+    checkpoint, or another model's, is a :class:`CheckpointError`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    try:
+        state = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=False)
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path!r} is corrupt or unreadable ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path!r} does not hold a trainer state dict, got {type(state).__name__}")
+    missing = [key for key in REQUIRED_KEYS if key not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path!r} is missing {missing}")
+    tensors = _model_and_optimizer(model, optimizer)
+    _check_model(path, tensors["model"], stored)
+    try:
+        with _quiet_without_process_group():
+            dcp.load(tensors, checkpoint_id=path)
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; its last line is the cause
+        cause = str(exc).strip().splitlines()[-1]
+        raise CheckpointError(f"checkpoint {path!r} is corrupt or unreadable ({cause})") from exc
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=tensors["model"],
+        optim_state_dict=tensors["optimizer"],
+        options=StateDictOptions(
+            ignore_frozen_params=True, strict=False
+        ),  # frozen weights are not stored; names checked above
+    )
+    rng = os.path.join(path, f"rng-{ranks.rank}.pt")
+    set_rng_state(torch.load(rng if os.path.exists(rng) else os.path.join(path, "rng-0.pt"), weights_only=False))
+    return state
+
+
+def _check_model(path: str, weights: dict, stored: dict) -> None:
+    """The checkpoint's weights (DCP metadata ``stored``, keys ``model.<name>``) have the
+    model's trainable names and shapes."""
+    shapes = {key[len("model.") :]: list(meta.size) for key, meta in stored.items() if key.startswith("model.")}
+    if set(shapes) != set(weights):
+        missing, extra = sorted(set(weights) - set(shapes)), sorted(set(shapes) - set(weights))
+        raise CheckpointError(
+            f"checkpoint {path!r} does not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+    for name, tensor in weights.items():
+        if shapes[name] != list(tensor.shape):
+            raise CheckpointError(
+                f"checkpoint {path!r}: {name} has shape {shapes[name]}, the model {list(tensor.shape)}"
+            )
+
+
+def full_model_state(model) -> dict:
+    """The whole weights of an FSDP2-sharded ``model`` on rank 0's CPU (empty elsewhere); every
+    rank calls it (it gathers). Tied weights (one parameter under two names) stay one tensor, so
+    that ``save_pretrained`` stores them once, as it does for the unsharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first_name = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first = first_name.setdefault(id(param), name)
+        if first != name and name in weights:
+            weights[name] = weights[first]
+    return weights

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from grpo_fast.spec import SCALES, LossConfig, option
+from grpo_fast.trainer.distributed import PARALLEL
 from grpo_fast.trainer.generators import ENGINES
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -74,7 +75,11 @@ class GRPOConfig(LossConfig):
     lora_r: int = option(0, "> 0 trains a peft LoRA of this rank; the reference is the model with adapters off")
     lora_alpha: int = option(16, "LoRA alpha")
     lora_target_modules: list = option(["q_proj", "k_proj", "v_proj", "o_proj"], "modules LoRA adapts")
-    device: str = option("auto", "auto = cuda when available, else cpu")
+    device: str = option("auto", "auto = cuda when available, else cpu (under torchrun: cuda:LOCAL_RANK)")
+    parallel: str = option("ddp", "under torchrun: ddp (each rank a replica) or fsdp (FSDP2: each rank a shard)")
+    collective_timeout_s: float = option(
+        1800.0, "under torchrun: a rank waiting this long for the others fails the job"
+    )
 
     # bookkeeping
     save_every: int = option(50, "checkpoint every k steps (and at the end); 0 = only at the end")
@@ -167,10 +172,12 @@ class GRPOConfig(LossConfig):
         require(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every!r}")
         require(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints!r}")
         require(self.lora_r >= 0, f"lora_r must be >= 0, got {self.lora_r!r}")
+        require(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
         choice("advantage_scale", SCALES)
         choice("lr_schedule", LR_SCHEDULES)
         choice("precision", PRECISIONS)
         choice("generator", ENGINES)
+        choice("parallel", PARALLEL)
         if self.reward_weights is not None:
             require(
                 self.reward_funcs is not None and len(self.reward_weights) == len(self.reward_funcs),

@@ -21,6 +21,14 @@ work, weighted by the loss spec so that the accumulated gradient equals the full
 gradient for every loss type. The old log-probs (num_iterations > 1) are the first pass's
 own: it runs at the sampling weights, so no separate forward computes them. On CUDA the
 forward passes run under bf16 autocast while weights and optimizer state stay float32.
+
+Many devices (``distributed.py``; ``torchrun ... -m grpo_fast train``): each rank samples
+and scores its contiguous share of every step's prompts, whole groups, from the one seeded
+data order; the group advantages are computed from every rank's rewards (all-gathered), the
+loss normalisers and micro-batch weights from global row and token counts, and every logged
+number is reduced over ranks, so a step's gradient and its log line do not depend on the
+world size. Only rank 0 writes the metrics, plot, progress bar and final model; every rank
+writes its shards of a checkpoint.
 """
 
 import copy
@@ -35,28 +43,19 @@ import time
 import numpy as np
 import torch
 
-from grpo_fast import fused_linear_grpo_loss, fused_linear_token_logprobs, group_advantages, policy_loss, token_logprobs
+from grpo_fast import group_advantages
 from grpo_fast.outputs import GroupAdvantages
 from grpo_fast.tasks import DATASET_REWARDS, DEMO_REWARDS, get_reward_function, load_rows
 from grpo_fast.trainer import checkpoint as ckpt
-from grpo_fast.trainer import run_log
+from grpo_fast.trainer import distributed, run_log
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.generators import make_generator
-from grpo_fast.trainer.packing import (
-    Packed,
-    flash_attention_available,
-    micro_batches,
-    pack,
-    packed_hidden,
-    packed_logits,
-    to_grid,
-)
+from grpo_fast.trainer.packed_policy import LossInputs, PackedPolicy, filler
+from grpo_fast.trainer.packing import Packed, flash_attention_available, micro_batches, pack, packed_attention
 from grpo_fast.trainer.rollout import (
     Rollout,
-    autocast,
     concat_rollouts,
     groups_with_signal,
-    packed_completion_logprobs,
     reference_context,
     rollout,
     select_groups,
@@ -97,7 +96,9 @@ class GRPOTrainer:
 
     The trainer seeds the global random generators with ``config.seed`` (sampling with the
     Hugging Face engine draws from torch's); it changes no other state of its caller: the
-    tokenizer, thread counts and plotting backend are left as they were.
+    tokenizer, thread counts and plotting backend are left as they were. Under torchrun it
+    joins the job's process group (``distributed.setup``) and wraps the policy in DDP or
+    FSDP2 (``config.parallel``).
 
     Args:
         config: the run (see :class:`GRPOConfig`).
@@ -111,9 +112,14 @@ class GRPOTrainer:
         self.config = config
         self.loss_config = config.loss_config()
         seed_everything(config.seed)
-        self.device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
-        )
+        self.device = distributed.resolve_device(config.device)
+        self.ranks = distributed.setup(self.device, config.collective_timeout_s)
+        if config.prompts_per_step % self.ranks.world_size:
+            raise ValueError(
+                f"batch_size={config.batch_size} gives {config.prompts_per_step} prompts per step (batch_size / "
+                f"group_size), which must be divisible by the world size {self.ranks.world_size}: each rank samples "
+                "the same number of whole groups"
+            )
         self.bf16 = config.precision == "bf16" or (config.precision == "auto" and self.device.type == "cuda")
         if model is None:
             model, tokenizer = load_model_and_tokenizer(config, flash_attention_available(self.device, self.bf16))
@@ -122,6 +128,7 @@ class GRPOTrainer:
         self.tokenizer = tokenizer
         self.policy = self._prepare_policy(model)
         self.reference = self._make_reference()
+        self._wrap()
         self.rows = rows if rows is not None else self._load_rows()
         self.reward_funcs, self.reward_names = self._resolve_rewards(reward_funcs)
         self.generator = make_generator(config.generator, self.policy, tokenizer, config, bf16=self.bf16)
@@ -136,8 +143,12 @@ class GRPOTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.step = 0
         self.data_position = 0
-        self.output_dir = config.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        self.output_dir = self.ranks.broadcast(
+            config.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        )
         self.history: list = []
+        if self.ranks.rank:  # the model is built alike everywhere; the Hugging Face engine must not draw alike
+            seed_everything(config.seed + self.ranks.rank)
 
     # ---------------------------------------------------------------- setup
     def _prepare_policy(self, model):
@@ -166,6 +177,34 @@ class GRPOTrainer:
         reference = copy.deepcopy(self.policy).eval()
         reference.requires_grad_(False)
         return reference
+
+    def _wrap(self):
+        """The modules every packed pass runs: ``packed_policy`` (the policy's, sharded in place
+        under FSDP2), ``train_module`` (what the backward passes run: DDP's wrapper of it, or it)
+        and ``reference_module`` (the frozen copy's, sharded alike; the policy's own for a peft
+        policy, whose reference is itself with adapters off)."""
+        config, ranks = self.config, self.ranks
+        self.filler = filler(self.device)
+        self.packed_policy = PackedPolicy(self.policy, self.loss_config, bf16=self.bf16)
+        self.train_module = distributed.wrap(self.packed_policy, config.parallel, self.device, bf16=self.bf16)
+        self.reference_module = None
+        if self.reference is self.policy:
+            self.reference_module = self.packed_policy
+        elif self.reference is not None:
+            self.reference_module = distributed.wrap(
+                PackedPolicy(self.reference, self.loss_config, bf16=self.bf16),
+                config.parallel,
+                self.device,
+                bf16=self.bf16,
+                trainable=False,
+            )
+        for module in (self.packed_policy, self.reference_module):
+            if ranks.active and module is not None and distributed.is_sharded(module):
+                with (
+                    torch.no_grad()
+                ):  # FSDP2 finds its root on the first forward: the root's, before any layer runs alone
+                    module(self.filler)
+                module.reshard()  # the root keeps its whole weights after a forward; the optimizer needs the shards
 
     def _load_rows(self) -> list:
         config = self.config
@@ -201,15 +240,18 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- data
     def next_rows(self) -> tuple:
-        """The next prompts_per_step rows and their data positions (the keys of their samples):
-        a fresh seeded shuffle each epoch, so a position resumes."""
+        """This rank's share of the next prompts_per_step rows, and their data positions (the
+        keys of their samples): a fresh seeded shuffle each epoch, so a position resumes. Every
+        rank walks the same order and takes its contiguous share."""
         rows, keys = [], []
         for _ in range(self.config.prompts_per_step):
             epoch, index = divmod(self.data_position, len(self.rows))
             rows.append(self.rows[self._epoch_order(epoch)[index]])
             keys.append(self.data_position)
             self.data_position += 1
-        return rows, keys
+        share = len(rows) // self.ranks.world_size
+        mine = slice(self.ranks.rank * share, (self.ranks.rank + 1) * share)
+        return rows[mine], keys[mine]
 
     def _epoch_order(self, epoch: int) -> list:
         if getattr(self, "_order", (None,))[0] != epoch:
@@ -222,13 +264,23 @@ class GRPOTrainer:
     def make_rollout(self) -> Rollout:
         """The step's experience: samples, rewards, and the reference log-probs (beta != 0)."""
         batch = self.sample_groups()
-        if self.reference is not None and batch.input_ids.shape[0]:
+        if self.reference is not None and self.ranks.sum(batch.input_ids.shape[0]):
             with reference_context(self.policy, self.reference):
-                ref = packed_completion_logprobs(
-                    self.reference, self.micro_batches(batch), temperature=self.config.temperature, bf16=self.bf16
-                )
-            batch = dataclasses.replace(batch, ref_logprobs=ref)
+                batch = dataclasses.replace(batch, ref_logprobs=self.packed_logprobs(self.reference_module, batch))
         return batch
+
+    @torch.no_grad()
+    def packed_logprobs(self, module: PackedPolicy, batch: Rollout) -> torch.Tensor:
+        """The completion tokens' log-probs [N, C] under ``module``, from the batch's packed
+        micro-batches (run in lockstep with the other ranks: under FSDP2 a forward is a collective)."""
+        out = []
+        for packed, _ in self.ranks.lockstep(self.micro_batches(batch)):
+            logp = module(self.filler if packed is None else packed)
+            if packed is not None:
+                out.append(logp)
+        if distributed.is_sharded(module):
+            module.reshard()  # no backward follows to reshard the root: free its whole weights now
+        return torch.cat(out) if out else torch.zeros_like(batch.completion_mask)
 
     def sample_groups(self) -> Rollout:
         """prompts_per_step groups of G samples with their rewards. With dynamic_sampling (DAPO)
@@ -239,16 +291,22 @@ class GRPOTrainer:
         config = self.config
         G, wanted = config.group_size, config.prompts_per_step
         rounds_allowed = config.max_sampling_rounds if config.dynamic_sampling else 1
-        parts, kept, dropped, rounds = [], 0, 0, 0
+        parts, kept, dropped, rounds = [], 0, 0, 0  # kept, dropped: groups over every rank
         while kept < wanted and rounds < rounds_allowed:
             rows, keys = self.next_rows()
-            part = rollout(self.generator, rows, keys, self.reward_funcs, group_size=G)
+            with distributed.gathered(self.packed_policy):
+                part = rollout(self.generator, rows, keys, self.reward_funcs, group_size=G)
             rounds += 1
             if config.dynamic_sampling:
-                signal = groups_with_signal(part.rewards, G, config.reward_weights)
+                # Every rank's groups of the round in data order, so that all ranks keep the same
+                # first groups with a signal that a single process would.
+                signal, first = self.ranks.gather_rows(groups_with_signal(part.rewards, G, config.reward_weights))
                 dropped += int((~signal).sum())
-                part = select_groups(part, signal.nonzero().squeeze(1)[: wanted - kept], G)
-            kept += len(part.prompts) // G
+                chosen = signal.nonzero().squeeze(1)[: wanted - kept]
+                kept += len(chosen)
+                part = select_groups(part, chosen[(chosen >= first) & (chosen < first + len(rows))] - first, G)
+            else:
+                kept = wanted
             parts.append(part)
         batch = concat_rollouts(parts, self.tokenizer.pad_token_id)
         return dataclasses.replace(batch, sampling_rounds=rounds, dropped_groups=dropped)
@@ -262,101 +320,89 @@ class GRPOTrainer:
         return [pack(batch.input_ids, batch.attention_mask, C, rows) for rows in slices]
 
     def compute_advantages(self, batch: Rollout) -> Rollout:
-        """GRPO's critic-free advantages: each reward relative to its group's."""
-        config = self.config
-        advantages = group_advantages(
-            batch.rewards, config.group_size, scale=config.advantage_scale, reward_weights=config.reward_weights
+        """GRPO's critic-free advantages: each reward relative to its group's. They are computed
+        from every rank's rewards [N_global, K] (a few numbers a row; a group never spans ranks,
+        but scale="batch" and the logged statistics are the global batch's); this rank keeps its rows."""
+        config, G, N = self.config, self.config.group_size, batch.rewards.shape[0]
+        rewards, first = self.ranks.gather_rows(batch.rewards)
+        stats = group_advantages(rewards, G, scale=config.advantage_scale, reward_weights=config.reward_weights)
+        rows, groups = slice(first, first + N), slice(first // G, (first + N) // G)
+        mine = GroupAdvantages(
+            stats.advantages[rows], stats.rewards[rows], stats.mean[groups], stats.std[groups], stats.frac_zero_std
         )
-        return dataclasses.replace(batch, advantages=GroupAdvantages(*(t.to(self.device) for t in advantages)))
+        return dataclasses.replace(batch, advantages=GroupAdvantages(*(t.to(self.device) for t in mine)))
 
     def _loss(self, batch: Rollout, packed: Packed, num_items: torch.Tensor, want_logprobs: bool = False):
-        """``(loss output, log-probs [n, C] detached)`` of one packed micro-batch of ``batch``;
-        the fused LM head returns no log-probs (None) unless ``want_logprobs`` (one more sweep).
-
-        The loss is ``policy_loss`` on the rows' [n, C] completion grid (what ``grpo_loss``
-        computes on padded logits); only the per-token log-probs travel to the grid, the
-        logits [1, Nc, V] stay packed.
-        """
-        rows, config = packed.rows, self.loss_config
+        """``(loss output, log-probs [n, C] detached)`` of one packed micro-batch of ``batch``
+        (``PackedPolicy.forward`` through ``train_module``); the fused LM head returns no
+        log-probs (None) unless ``want_logprobs`` (one more sweep). Only the per-token values
+        travel to the rows' [n, C] completion grid; the logits stay packed."""
+        rows = packed.rows
         present = batch.attention_mask[rows, -batch.completion_mask.shape[1] :].bool()  # [n, C] a token is there
 
         def on_grid(x):  # per-token inputs hold 0 where no token is (the loss weighs those 0)
             return None if x is None else x[rows].masked_fill(~present, 0.0)
 
-        adv, mask = batch.advantages.advantages[rows], batch.completion_mask[rows]
-        old, ref = on_grid(batch.old_logprobs), on_grid(batch.ref_logprobs)
-        with autocast(self.device, self.bf16):
-            if self.config.fused_linear:
-                head = self.policy.get_output_embeddings()
-                hidden = to_grid(packed_hidden(self.policy, packed), packed)  # [n, C, H]
-                ids = to_grid(packed.targets, packed)
-                out = fused_linear_grpo_loss(
-                    hidden,
-                    head.weight,
-                    ids,
-                    adv,
-                    mask,
-                    old,
-                    ref,
-                    bias=head.bias,
-                    num_items_in_batch=num_items,
-                    return_entropy=True,
-                    loss_config=config,
-                )
-                if not want_logprobs:
-                    return out, None
-                logp = fused_linear_token_logprobs(
-                    hidden.detach(), head.weight.detach(), ids, bias=head.bias, temperature=config.temperature
-                )
-                return out, logp
-            logits = packed_logits(self.policy, packed)  # [1, Nc, V]
-        logp, entropy = token_logprobs(logits, packed.targets, temperature=config.temperature, return_entropy=True)
-        logp, entropy = to_grid(logp, packed), to_grid(entropy, packed)
-        out = policy_loss(logp, adv, mask, old, ref, num_items_in_batch=num_items, entropy=entropy, loss_config=config)
-        return out, logp.detach()
+        inputs = LossInputs(
+            batch.advantages.advantages[rows],
+            batch.completion_mask[rows],
+            on_grid(batch.old_logprobs),
+            on_grid(batch.ref_logprobs),
+            num_items,
+        )
+        return self.train_module(packed, inputs, fused_linear=self.config.fused_linear, want_logprobs=want_logprobs)
 
     def accumulate_gradients(self, batch: Rollout, num_items: torch.Tensor, logprobs: list | None = None) -> dict:
         """Backward over ``batch`` in packed micro-batches; the summed gradient is the full
-        batch's: each micro-batch's loss is weighted by the loss type's aggregation (the loss spec).
+        batch's: each micro-batch's loss is weighted by the loss type's aggregation (the loss
+        spec) over the global batch's row and token counts, times the world size, since DDP and
+        FSDP2 average gradients over ranks. A rank with fewer micro-batches than another runs
+        fillers (loss times 0) so that the ranks' collectives match.
 
         Args:
-            num_items: the active-token count of the whole batch (dapo, cispo).
+            num_items: the active-token count of the whole batch, every rank's (dapo, cispo).
             logprobs: when a list, the policy's log-probs of each micro-batch ([n, C],
                 detached) are appended to it, in row order.
 
-        Returns the loss and the token-weighted means of the loss metrics over the batch.
+        Returns the loss and the token-weighted means of the loss metrics over the global batch.
         """
-        N = batch.input_ids.shape[0]
+        ranks = self.ranks
         tokens = batch.completion_mask.sum(1)  # [N]
-        total_tokens = tokens.sum().item()
+        total_rows, total_tokens = ranks.sum(batch.input_ids.shape[0]), ranks.sum(tokens.sum().item())
         aggregation = self.loss_config.aggregation
         sums = dict.fromkeys(PASS_METRICS, 0.0)
         # Metrics are means over active tokens, but with sequence-level ratios the clip flags are
         # means over sequences: each micro-batch's value counts by its share of those.
         by_rows = {key for key in PASS_METRICS if key.startswith("clip")}
         by_rows = by_rows if self.loss_config.importance_sampling == "sequence" else set()
-        for packed in self.micro_batches(batch):
-            rows = packed.rows
-            micro_tokens = tokens[rows].sum().item()
-            token_share, row_share = micro_tokens / max(total_tokens, 1.0), (rows.stop - rows.start) / N
-            weight = aggregation.micro_batch_weight(
-                rows.stop - rows.start, micro_tokens, N, total_tokens, self.loss_config, num_items.item()
-            )
-            out, logp = self._loss(batch, packed, num_items, want_logprobs=logprobs is not None)
-            (out.loss * weight).backward()
+        for packed, sync in ranks.lockstep(self.micro_batches(batch)):
+            # The packed attention holds through the backward: gradient checkpointing recomputes
+            # each layer's forward there, and must attend as the forward did.
+            with distributed.gradient_sync(self.train_module, sync), packed_attention(self.policy):
+                if packed is None:
+                    (self.train_module(self.filler).sum() * 0.0).backward()
+                    continue
+                rows = packed.rows
+                micro_tokens = tokens[rows].sum().item()
+                token_share, row_share = micro_tokens / max(total_tokens, 1.0), (rows.stop - rows.start) / total_rows
+                weight = aggregation.micro_batch_weight(
+                    rows.stop - rows.start, micro_tokens, total_rows, total_tokens, self.loss_config, num_items.item()
+                )
+                out, logp = self._loss(batch, packed, num_items, want_logprobs=logprobs is not None)
+                (out.loss * (weight * ranks.world_size)).backward()
             if logprobs is not None:
                 logprobs.append(logp)
             sums["loss"] += out.loss.item() * weight
             for key in PASS_METRICS[1:]:
                 value, share = getattr(out, key), row_share if key in by_rows else token_share
                 sums[key] = None if value is None or sums[key] is None else sums[key] + value.item() * share
-        return sums
+        return ranks.sum_metrics(sums)
 
     def optimizer_step(self) -> dict:
         """Clips the gradient norm, steps the optimizer and the schedule, clears the gradients."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        grad_norm = distributed.value(torch.nn.utils.clip_grad_norm_(params, max_norm))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -364,23 +410,25 @@ class GRPOTrainer:
 
     def train_step(self) -> dict:
         """One step: rollout -> advantages -> num_iterations x (backward passes -> optimizer).
-        A step whose rollout kept no group (dynamic sampling) makes no update."""
+        A step whose rollout kept no group on any rank (dynamic sampling) makes no update."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         batch = self.make_rollout()
-        if batch.input_ids.shape[0] == 0:
+        if self.ranks.sum(batch.input_ids.shape[0]) == 0:
             self.step += 1
             return self._step_metrics(batch, [], time.perf_counter() - start)
         batch = self.compute_advantages(batch)
-        num_items = batch.completion_mask.sum()  # active tokens of the whole batch (dapo/cispo/bnpo)
+        num_items = self.ranks.sum(batch.completion_mask.sum())  # active tokens of the whole batch (dapo/cispo/bnpo)
         passes = []
         for _ in range(self.config.num_iterations):
             # The first pass runs at the sampling weights: its log-probs are the old policy's.
             record = [] if batch.old_logprobs is None and self.config.num_iterations > 1 else None
             sums = self.accumulate_gradients(batch, num_items, record)
             if record is not None:
-                batch = dataclasses.replace(batch, old_logprobs=torch.cat(record))
+                batch = dataclasses.replace(
+                    batch, old_logprobs=torch.cat(record) if record else torch.zeros_like(batch.completion_mask)
+                )
             sums.update(self.optimizer_step())
             passes.append(sums)
         self.step += 1
@@ -391,10 +439,16 @@ class GRPOTrainer:
         return {}
 
     def _step_metrics(self, batch: Rollout, passes: list, elapsed: float, **extra) -> dict:
-        """The step's log line: rollout statistics, the mean of each pass metric over the
-        num_iterations passes (None when the step made no update), throughput and memory,
-        ``extra`` and the per-reward means."""
-        combined = batch.rewards.new_empty(0) if batch.advantages is None else batch.advantages.rewards
+        """The step's log line, over every rank's rows: rollout statistics, the mean of each
+        pass metric over the num_iterations passes (None when the step made no update),
+        throughput and memory (the largest rank's peak), ``extra`` and the per-reward means."""
+        ranks, lengths = self.ranks, batch.completion_mask.sum(1)
+        combined = lengths.new_full(lengths.shape, math.nan) if batch.advantages is None else batch.advantages.rewards
+        # [N_global, 2 + K]: the combined reward, the completion length, each reward function's score
+        table, _ = ranks.gather_rows(
+            torch.cat([combined[:, None].cpu(), lengths[:, None].cpu(), batch.rewards.cpu()], 1)
+        )
+        combined, lengths, rewards = table[:, 0], table[:, 1], table[:, 2:]
         scored = combined[~combined.isnan()]  # completions no reward function scored are left out, as TRL
         metrics = dict(
             step=self.step,
@@ -405,19 +459,18 @@ class GRPOTrainer:
         for key in passes[0] if passes else PASS_METRICS:
             values = [p[key] for p in passes]
             metrics[key] = None if None in values or not values else sum(values) / len(values)
-        lengths = batch.completion_mask.sum(1)
         metrics.update(
             completion_len_mean=lengths.mean().item() if len(lengths) else None,
-            tokens_per_s=batch.attention_mask.sum().item() / elapsed,
+            tokens_per_s=ranks.sum(batch.attention_mask.sum().item()) / elapsed,
             step_time_s=elapsed,
-            peak_mem_bytes=self._peak_memory(),
+            peak_mem_bytes=ranks.max(self._peak_memory()),
             learning_rate=self.scheduler.get_last_lr()[0],
             **extra,
         )
         if self.config.dynamic_sampling:
             metrics.update(sampling_rounds=batch.sampling_rounds, groups_dropped=batch.dropped_groups)
         for k, name in enumerate(self.reward_names):
-            column = batch.rewards[:, k]
+            column = rewards[:, k]
             metrics[f"rewards/{name}"] = column.nanmean().item() if not column.isnan().all() else None
         return metrics
 
@@ -429,77 +482,73 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- checkpoints
     def trainable_state(self) -> dict:
+        """This rank's trainable weights (under FSDP2 its shards), copied to CPU."""
         return {name: p.detach().cpu().clone() for name, p in self.policy.named_parameters() if p.requires_grad}
 
     def save_checkpoint(self) -> str:
+        """Writes the step's checkpoint (every rank its shards; ``checkpoint.py``)."""
         state = dict(
             step=self.step,
             data_position=self.data_position,
-            model=self.trainable_state(),
-            optimizer=self.optimizer.state_dict(),
             scheduler=self.scheduler.state_dict(),
-            rng=ckpt.rng_state(),
             config=self.config.to_dict(),
         )
-        return ckpt.save_checkpoint(self.output_dir, state, keep=self.config.keep_checkpoints)
+        return ckpt.save_checkpoint(
+            self.output_dir, state, self.policy, self.optimizer, self.ranks, keep=self.config.keep_checkpoints
+        )
 
     def resume(self, path: str | None = None) -> int:
-        """Restores the newest checkpoint of the output dir (or ``path``); returns its step."""
-        path = path or ckpt.latest_checkpoint(self.output_dir)
+        """Restores the newest checkpoint of the output dir (or ``path``), written at any world
+        size; returns its step."""
+        path = self.ranks.broadcast(path or ckpt.latest_checkpoint(self.output_dir))
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(self.output_dir, 'checkpoints')!r}")
-        state = ckpt.load_checkpoint(path)
-        params = dict(self.policy.named_parameters())
-        expected = {name for name, p in params.items() if p.requires_grad}
-        if set(state["model"]) != expected:
-            missing, extra = sorted(expected - set(state["model"])), sorted(set(state["model"]) - expected)
-            raise ckpt.CheckpointError(
-                f"checkpoint {path!r} does not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
-            )
-        with torch.no_grad():
-            for name, value in state["model"].items():
-                if params[name].shape != value.shape:
-                    raise ckpt.CheckpointError(
-                        f"checkpoint {path!r}: {name} has shape {list(value.shape)}, "
-                        f"the model {list(params[name].shape)}"
-                    )
-                params[name].copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = ckpt.load_checkpoint(path, self.policy, self.optimizer, self.ranks)
         self.scheduler.load_state_dict(state["scheduler"])
-        ckpt.set_rng_state(state["rng"])
         self.step, self.data_position = state["step"], state["data_position"]
-        run_log.truncate_metrics(self.output_dir, self.step)
+        if self.ranks.is_main:
+            run_log.truncate_metrics(self.output_dir, self.step)
+        self.ranks.barrier()
         self.history = run_log.read_metrics(self.output_dir)
         return self.step
 
     def save_model(self) -> str:
-        """``save_pretrained`` of the policy and tokenizer to ``<output_dir>/final`` (via a temp dir)."""
+        """``save_pretrained`` of the policy and tokenizer to ``<output_dir>/final`` (via a temp
+        dir), by rank 0; under FSDP2 the whole weights are first gathered to its CPU."""
         final = os.path.join(self.output_dir, "final")
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.policy.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        weights = ckpt.full_model_state(self.policy) if distributed.is_sharded(self.packed_policy) else None
+        if self.ranks.is_main:
+            tmp = final + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.policy.save_pretrained(tmp, state_dict=weights)
+            self.tokenizer.save_pretrained(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        self.ranks.barrier()
         return final
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> list:
-        """Runs the remaining steps; returns the metrics of every step of the run."""
+        """Runs the remaining steps; returns the metrics of every step of the run. Rank 0
+        writes the config, metrics, progress bar and plot."""
         from tqdm.auto import tqdm
 
-        config = self.config
-        os.makedirs(self.output_dir, exist_ok=True)
-        with open(os.path.join(self.output_dir, "config.yaml"), "w") as f:
+        config, main = self.config, self.ranks.is_main
+        if main:
             import yaml
 
-            yaml.safe_dump(config.to_dict(), f, sort_keys=False)
+            os.makedirs(self.output_dir, exist_ok=True)
+            with open(os.path.join(self.output_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(config.to_dict(), f, sort_keys=False)
         start = time.perf_counter()
-        bar = tqdm(total=config.steps, initial=self.step, disable=not config.progress, desc="grpo", unit="step")
+        bar = tqdm(
+            total=config.steps, initial=self.step, disable=not (config.progress and main), desc="grpo", unit="step"
+        )
         while self.step < config.steps:
             metrics = self.train_step()
             self.history.append(metrics)
-            run_log.append_metrics(self.output_dir, metrics)
+            if main:
+                run_log.append_metrics(self.output_dir, metrics)
             reward, kl = metrics["reward_mean"], metrics["kl"]
             bar.set_postfix(
                 reward="-" if reward is None else f"{reward:.3f}",
@@ -512,6 +561,8 @@ class GRPOTrainer:
                 self.save_checkpoint()
         bar.close()
         self.save_model()
-        self.plot_path = run_log.plot_rewards(self.history, os.path.join(self.output_dir, "reward.png"))
+        self.plot_path = (
+            run_log.plot_rewards(self.history, os.path.join(self.output_dir, "reward.png")) if main else None
+        )
         self.summary = run_log.summary(self.history, self.output_dir, time.perf_counter() - start)
         return self.history

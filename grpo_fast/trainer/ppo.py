@@ -20,7 +20,8 @@ KL to the reference is the loss term ``beta * kl`` of GRPO (as verl's ``use_kl_l
 not a per-token reward penalty. The value model is the policy's decoder (a copy: same
 architecture, same starting weights) with a zero-initialised scalar head, trained by its
 own optimizer with its own learning rate. A completion that no reward function scored is
-masked out of both losses. Checkpoints hold the policy only, so a PPO run does not resume.
+masked out of both losses. Checkpoints hold the policy only, so a PPO run does not resume;
+it runs in one process (no torchrun).
 """
 
 import copy
@@ -156,6 +157,11 @@ class PPOTrainer(GRPOTrainer):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}")
         super().__init__(config, **kwargs)
+        if self.ranks.world_size > 1:
+            raise ValueError(
+                "the PPO baseline runs in one process (its critic is not wrapped for DDP or FSDP2): start it without "
+                "torchrun"
+            )
         self.value_model = ValueModel(self.policy).to(self.device).train()
         self.value_optimizer = torch.optim.AdamW(
             self.value_model.parameters(),

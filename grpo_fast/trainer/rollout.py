@@ -3,10 +3,10 @@
 Shared by the GRPO trainer and the PPO baseline: both sample with a generation engine
 (``grpo_fast/trainer/generators/``), score with :func:`score`, keep only the groups that
 carry a signal when sampling dynamically (:func:`groups_with_signal`, :func:`select_groups`,
-:func:`concat_rollouts`), and compute per-token log-probs of completions on packed
-sequences (:func:`packed_completion_logprobs`; ``packing.py``) or, for callers that hold
-padded batches, with :func:`completion_logits` + ``grpo_fast.token_logprobs``. Logits are
-computed only for the completion positions, never for the prompt. The advantages are the
+:func:`concat_rollouts`). The trainer computes per-token log-probs of completions on packed
+sequences (``packed_policy.py``); callers that hold padded batches use
+:func:`completion_logits` + ``grpo_fast.token_logprobs``. Logits are computed only for the
+completion positions, never for the prompt. The advantages are the
 trainer's next step (``GRPOTrainer.compute_advantages``).
 
 Sequence layout, N = num_prompts * G rows (see :class:`~grpo_fast.trainer.generators.Generation`):
@@ -26,7 +26,6 @@ import torch
 
 from grpo_fast import group_advantages, token_logprobs
 from grpo_fast.outputs import GroupAdvantages
-from grpo_fast.trainer.packing import packed_logits, to_grid
 
 
 class RewardError(RuntimeError):
@@ -150,19 +149,6 @@ def reference_context(policy, reference):
     if reference is policy:
         return policy.disable_adapter()
     return contextlib.nullcontext()
-
-
-@torch.no_grad()
-def packed_completion_logprobs(model, packs: list, *, temperature: float = 1.0, bf16: bool = False) -> torch.Tensor:
-    """Per-token log-probs of the completion tokens under ``model``, from packed forwards:
-    [N, C] over the rows the ``packs`` cover in order (``packing.pack``), 0 where a row has
-    no token; float32 (float64 for a float64 model), no grad."""
-    out = []
-    for packed in packs:
-        with autocast(packed.input_ids.device, bf16):
-            logits = packed_logits(model, packed)
-        out.append(to_grid(token_logprobs(logits, packed.targets, temperature=temperature), packed))
-    return torch.cat(out)
 
 
 def groups_with_signal(rewards: torch.Tensor, group_size: int, reward_weights=None) -> torch.Tensor:

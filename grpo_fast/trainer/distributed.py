@@ -1,0 +1,234 @@
+"""Many devices: the process group torchrun starts, DDP and FSDP2, and the few collectives the
+trainer needs to give the same result at any world size.
+
+    torchrun --nproc-per-node N [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] -m grpo_fast train ...
+
+Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK in the environment) :func:`setup` joins the
+job's process group: NCCL on CUDA (one device per process, ``cuda:LOCAL_RANK``), gloo on
+CPU, every collective bounded by a timeout, so a rank that dies or hangs stops the job
+instead of leaving the others waiting. Without torchrun there is no process group and every
+collective of :class:`Ranks` is the identity: a single process runs exactly the code it
+always ran.
+
+What each rank holds (``parallel``):
+
+    ddp    a replica of the weights, gradients and AdamW states (DistributedDataParallel);
+           gradients are averaged over ranks once per optimizer step
+    fsdp   a 1/N shard of each (FSDP2 ``fully_shard``, one unit per decoder layer, the rest in
+           the root unit); a layer's weights are gathered for its forward and backward only
+
+Both average gradients over ranks, so a rank weighs its micro-batches by ``world_size``
+times their share of the global batch (``GRPOTrainer.accumulate_gradients``). Collectives
+must be called by every rank in the same order: under FSDP2 every forward all-gathers, so
+ranks run the same number of micro-batches (:meth:`Ranks.lockstep` pads the shorter lists
+with a one-token filler whose loss is multiplied by 0), and generation, whose number of
+forwards depends on what was sampled, runs with the weights gathered once (:func:`gathered`).
+"""
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+PARALLEL = ("ddp", "fsdp")
+
+
+def launched_by_torchrun() -> bool:
+    """Whether torchrun (or another launcher with its environment) started this process."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` = CUDA when available, else CPU; under torchrun a CUDA device without an
+    index is this process's own, ``cuda:LOCAL_RANK``."""
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    resolved = torch.device(kind)
+    if resolved.type == "cuda" and resolved.index is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0)) if launched_by_torchrun() else 0
+        resolved = torch.device("cuda", local_rank)
+    return resolved
+
+
+def setup(device: torch.device, timeout_s: float) -> "Ranks":
+    """Joins torchrun's job (NCCL on CUDA, gloo on CPU; collectives time out after
+    ``timeout_s``) unless a process group already exists, which is then used as it is.
+    Returns this process's :class:`Ranks`; a single process without torchrun gets rank 0 of 1."""
+    if launched_by_torchrun() and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return Ranks(device)
+
+
+def shutdown() -> None:
+    """Leaves the process group, if there is one (the end of a successful run)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Ranks:
+    """This process's place in the job and the collectives the trainer uses. Tensors travel
+    on ``device`` (NCCL reduces CUDA tensors only) and come back where they were."""
+
+    def __init__(self, device: torch.device):
+        self.active = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.active else 0
+        self.world_size = dist.get_world_size() if self.active else 1
+        self.device = device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that writes the run's logs, plot and final model."""
+        return self.rank == 0
+
+    def sum(self, value):
+        """The sum over ranks of a number or a tensor (same shape on every rank)."""
+        if self.world_size == 1:
+            return value
+        if torch.is_tensor(value):
+            total = value.to(self.device, copy=True)
+        else:  # float64 for floats: Python's own addition, whatever the order
+            total = torch.tensor(
+                value, dtype=torch.float64 if isinstance(value, float) else torch.long, device=self.device
+            )
+        dist.all_reduce(total)
+        if torch.is_tensor(value):
+            return total.to(value.device)
+        return type(value)(total.item())
+
+    def max(self, value: int) -> int:
+        """The largest of an int over ranks."""
+        if self.world_size == 1:
+            return value
+        largest = torch.tensor(value, device=self.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return int(largest.item())
+
+    def sum_metrics(self, sums: dict) -> dict:
+        """Per-key sums of floats over ranks; a key is None when it is None on any rank."""
+        if self.world_size == 1:
+            return sums
+        rows = [[0.0 if v is None else float(v), float(v is None)] for v in sums.values()]
+        totals = self.sum(torch.tensor(rows, dtype=torch.float64)).tolist()
+        return {key: None if none else value for key, (value, none) in zip(sums, totals)}
+
+    def gather_rows(self, x: torch.Tensor) -> tuple:
+        """``(every rank's rows of x, in rank order, on x's device; the index of this rank's first
+        row)``. Ranks may hold different numbers of rows; the other dimensions must agree."""
+        if self.world_size == 1:
+            return x, 0
+        counts = [torch.zeros((), dtype=torch.long, device=self.device) for _ in range(self.world_size)]
+        dist.all_gather(counts, torch.tensor(len(x), device=self.device))
+        counts = [int(c) for c in counts]
+        wire = x.to(self.device, torch.uint8 if x.dtype == torch.bool else x.dtype)
+        padded = wire.new_zeros((max(counts), *x.shape[1:]))
+        padded[: len(x)] = wire
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded)
+        rows = torch.cat([part[:n] for part, n in zip(parts, counts)]).to(x.device, x.dtype)
+        return rows, sum(counts[: self.rank])
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank (a picklable object)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def lockstep(self, items: list) -> Iterator[tuple]:
+        """``(item or None, sync)`` pairs: the items, then None until each rank has yielded as
+        many pairs as the rank with the most items; ``sync`` is True on the last pair only (the
+        backward that reduces gradients). A single process yields its items alone."""
+        count = len(items) if self.world_size == 1 else self.max(len(items))
+        for i in range(count):
+            yield (items[i] if i < len(items) else None), i == count - 1
+
+
+# ---------------------------------------------------------------- DDP and FSDP2
+def wrap(module: torch.nn.Module, parallel: str, device: torch.device, *, bf16: bool, trainable: bool = True):
+    """``module`` ready for this job: as it is in a single process; else DDP (when
+    ``trainable``; a frozen module needs no gradient reduction and stays a plain replica) or
+    FSDP2, sharded in place, one unit per decoder layer (the model's ``_no_split_modules``)
+    and the rest in the root unit, with bf16 weights and float32 gradient reduction on CUDA
+    when ``bf16``."""
+    if parallel not in PARALLEL:
+        raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
+    if not dist.is_initialized():
+        return module
+    if parallel == "ddp":
+        if not trainable:
+            return module
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(
+            module,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            broadcast_buffers=False,  # rotary tables and the like are constants: no broadcast per forward
+            gradient_as_bucket_view=True,  # the reduction buckets are the gradients, not a second copy
+        )
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    precision = MixedPrecisionPolicy()
+    if bf16 and device.type == "cuda":
+        precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    blocks = {name for m in module.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
+    for layer in module.modules():
+        if type(layer).__name__ in blocks:
+            fully_shard(layer, mp_policy=precision)
+    return fully_shard(module, mp_policy=precision)
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def gradient_sync(module: torch.nn.Module, sync: bool):
+    """The context of one micro-batch's backward. DDP reduces only on the last (``sync``),
+    accumulating locally before. FSDP2 reduce-scatters every micro-batch instead: accumulating
+    unreduced would hold whole gradients on each rank, what sharding is there to avoid."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel) and not sync:
+        return module.no_sync()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def gathered(module: torch.nn.Module):
+    """Inside the block every FSDP2 unit of ``module`` holds its whole weights and keeps them
+    after each forward, so its submodules run with no collective, as many times as each rank
+    needs (generation); resharded after. A no-op for a module that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    inner = [m for m in units if m is not module]  # the root keeps its own setting (FSDP2: no reshard)
+    for unit in inner:
+        unit.set_reshard_after_forward(False, recurse=False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield module
+    finally:
+        for unit in units:
+            unit.reshard()
+        for unit in inner:
+            unit.set_reshard_after_forward(True, recurse=False)
+
+
+def value(x: torch.Tensor) -> float:
+    """A 0-dim tensor's value; a DTensor (FSDP2's gradient norm) is reduced first."""
+    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)

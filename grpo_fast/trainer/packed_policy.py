@@ -1,0 +1,110 @@
+"""The policy's packed forward and its loss as one module: what DDP wraps and FSDP2 shards.
+
+Every use of the weights in a training or log-prob pass happens inside
+:meth:`PackedPolicy.forward`: the packed forward (``packing.py``), the LM head and, given
+:class:`LossInputs`, the loss of the micro-batch. That is where the distributed wrappers act:
+DDP arms its gradient reduction in the wrapper's forward, and FSDP2 gathers a unit's weights
+around its forward only, so the fused LM-head loss, which reads the head's weight itself,
+must run inside it (anywhere else that weight is one rank's shard).
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from grpo_fast import fused_linear_grpo_loss, fused_linear_token_logprobs, policy_loss, token_logprobs
+from grpo_fast.spec import LossConfig
+from grpo_fast.trainer.packing import Packed, pack, packed_hidden, packed_logits, to_grid
+from grpo_fast.trainer.rollout import autocast
+
+
+class LossInputs(NamedTuple):
+    """The loss's inputs for the rows of one packed micro-batch, on its [n, C] completion grid."""
+
+    advantages: torch.Tensor  # [n] (or [n, C])
+    mask: torch.Tensor  # [n, C] completion mask
+    old_logprobs: torch.Tensor | None  # [n, C], 0 where no token
+    ref_logprobs: torch.Tensor | None  # [n, C], 0 where no token
+    num_items: torch.Tensor  # [] the whole batch's active tokens, over every rank (dapo, cispo)
+
+
+def filler(device: torch.device) -> Packed:
+    """A one-sequence micro-batch (one prompt token, one completion token, id 0): what a rank
+    with fewer micro-batches than another runs, its loss times 0, so that both make the same
+    collectives."""
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    return pack(ids, torch.ones_like(ids), 1, slice(0, 1))
+
+
+class PackedPolicy(torch.nn.Module):
+    """``policy`` (a causal LM) run on packed micro-batches.
+
+    Args:
+        policy: the model; its parameters are this module's.
+        loss_config: the run's loss options (its temperature scales every log-prob).
+        bf16: forwards under bf16 autocast on CUDA.
+    """
+
+    def __init__(self, policy, loss_config: LossConfig, *, bf16: bool = False):
+        super().__init__()
+        self.policy = policy
+        self.loss_config, self.bf16 = loss_config, bf16
+
+    def forward(
+        self,
+        packed: Packed,
+        inputs: LossInputs | None = None,
+        *,
+        fused_linear: bool = False,
+        want_logprobs: bool = False,
+    ):
+        """Without ``inputs``: the completion tokens' log-probs [n, C] (0 where a row has no
+        token), differentiable when gradients are enabled.
+
+        With ``inputs``: ``(loss output, log-probs [n, C] detached)``, the loss being
+        ``policy_loss`` on the rows' completion grid (what ``grpo_loss`` computes on padded
+        logits), or with ``fused_linear`` the loss from the last hidden states and the LM head
+        (``fused_linear_grpo_loss``, never the [Nc, V] logits), which returns no log-probs
+        (None) unless ``want_logprobs`` (one more sweep of the vocabulary).
+        """
+        config = self.loss_config
+        with autocast(packed.input_ids.device, self.bf16):
+            if inputs is not None and fused_linear:
+                return self._fused_linear_loss(packed, inputs, want_logprobs)
+            logits = packed_logits(self.policy, packed)  # [1, Nc, V]
+        if inputs is None:
+            return to_grid(token_logprobs(logits, packed.targets, temperature=config.temperature), packed)
+        logp, entropy = token_logprobs(logits, packed.targets, temperature=config.temperature, return_entropy=True)
+        logp, entropy = to_grid(logp, packed), to_grid(entropy, packed)
+        out = policy_loss(
+            logp,
+            inputs.advantages,
+            inputs.mask,
+            inputs.old_logprobs,
+            inputs.ref_logprobs,
+            num_items_in_batch=inputs.num_items,
+            entropy=entropy,
+            loss_config=config,
+        )
+        return out, logp.detach()
+
+    def _fused_linear_loss(self, packed: Packed, inputs: LossInputs, want_logprobs: bool):
+        config, head = self.loss_config, self.policy.get_output_embeddings()
+        hidden = to_grid(packed_hidden(self.policy, packed), packed)  # [n, C, H]
+        ids = to_grid(packed.targets, packed)
+        out = fused_linear_grpo_loss(
+            hidden,
+            head.weight,
+            ids,
+            *inputs[:4],
+            bias=head.bias,
+            num_items_in_batch=inputs.num_items,
+            return_entropy=True,
+            loss_config=config,
+        )
+        if not want_logprobs:
+            return out, None
+        logp = fused_linear_token_logprobs(
+            hidden.detach(), head.weight.detach(), ids, bias=head.bias, temperature=config.temperature
+        )
+        return out, logp

@@ -1,0 +1,146 @@
+"""Helpers of tests/test_distributed.py, at any world size.
+
+As a script under torchrun (``torchrun --standalone --nproc-per-node 2 _distributed_worker.py
+JOB OUT``) it runs the job's cases on this rank's share of the job's fixed rollout batch and
+rank 0 saves the results to OUT; the test computes the same cases at world size 1 in its own
+process with the same functions. As a module it holds reward functions that runs of
+``grpo-fast train`` name as ``_distributed_worker:NAME`` (tests/ on PYTHONPATH).
+"""
+
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+from grpo_fast.tasks.arithmetic import arithmetic_reward, build_model, build_tokenizer
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+
+SMALL = dict(batch_size=16, group_size=4, max_new_tokens=3, progress=False, beta=0.1)
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+# ---------------------------------------------------------------- rewards for the CLI runs
+_calls = []
+
+
+def arithmetic_or_pause(prompts, completions, **columns):
+    """The demo's reward; with GRPO_FAST_TEST_PAUSE=N, rank 1's call N + 1 touches the file
+    GRPO_FAST_TEST_PAUSED and sleeps (a rank stuck mid-run, for the test to kill)."""
+    _calls.append(1)
+    pause = os.environ.get("GRPO_FAST_TEST_PAUSE")
+    if pause is not None and rank() == 1 and len(_calls) > int(pause):
+        open(os.environ["GRPO_FAST_TEST_PAUSED"], "w").close()
+        time.sleep(600)
+    return arithmetic_reward(prompts, completions, **columns)
+
+
+def fails_on_rank_1(prompts, completions, **columns):
+    if rank() == 1:
+        raise KeyError("no answer column on rank 1")
+    return arithmetic_reward(prompts, completions, **columns)
+
+
+def hangs_on_rank_1(prompts, completions, **columns):
+    if rank() == 1:
+        time.sleep(600)
+    return arithmetic_reward(prompts, completions, **columns)
+
+
+def odd_only_reward(prompts, completions, **columns):
+    """An even first digit: every sample scores 1 (no signal; dynamic sampling drops the group)."""
+    return [1.0 if int(p[0]) % 2 == 0 else float(len(c)) for p, c in zip(prompts, completions)]
+
+
+# ---------------------------------------------------------------- gradients of one fixed batch
+def trainer_for(case: dict, output_dir: str) -> GRPOTrainer:
+    """The case's trainer: the demo model (float64 when asked) and the SMALL run with the case's keys."""
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=1).to(case.get("dtype", torch.float32))
+    config = GRPOConfig(**{**SMALL, "output_dir": output_dir, **case.get("config", {})})
+    return GRPOTrainer(config, model=model, tokenizer=tokenizer)
+
+
+def fixed_batch(trainer: GRPOTrainer):
+    """A rollout of the trainer (world size 1) with reference log-probs and old log-probs
+    0.3-normal noise away from the policy's, so that ratios leave the trust region."""
+    batch = trainer.make_rollout()
+    C = batch.completion_mask.shape[1]
+    from grpo_fast.trainer.rollout import completion_logprobs
+
+    old = completion_logprobs(trainer.policy, batch.input_ids, batch.attention_mask, C)
+    noise = 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=old.dtype)
+    return dataclasses.replace(batch, old_logprobs=(old + noise) * batch.completion_mask)
+
+
+def rows_of(batch, start: int, stop: int):
+    """Rows [start, stop) of a rollout without advantages."""
+    tensors = {
+        f.name: getattr(batch, f.name)[start:stop]
+        for f in dataclasses.fields(batch)
+        if torch.is_tensor(getattr(batch, f.name))
+    }
+    return dataclasses.replace(
+        batch,
+        prompts=batch.prompts[start:stop],
+        completions=batch.completions[start:stop],
+        columns={key: values[start:stop] for key, values in batch.columns.items()},
+        **tensors,
+    )
+
+
+def case_gradients(case: dict, batch, output_dir: str) -> dict:
+    """One backward pass over this rank's rows of ``batch`` (``case["split"]``: rows per rank):
+    the whole gradient (gathered from the shards under FSDP2) and the pass's metrics."""
+    trainer = trainer_for(case, output_dir)
+    ranks = trainer.ranks
+    if ranks.world_size > 1:
+        start = sum(case["split"][: ranks.rank])
+        batch = rows_of(batch, start, start + case["split"][ranks.rank])
+    local = trainer.compute_advantages(batch)
+    sums = trainer.accumulate_gradients(local, ranks.sum(local.completion_mask.sum()))
+    trainable = [p for p in trainer.policy.parameters() if p.requires_grad]
+    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in trainable]
+    return dict(grads=torch.cat([g.detach().flatten().cpu() for g in grads]), sums=sums)
+
+
+def dynamic_sampling_step(output_dir: str) -> dict:
+    """One step with dynamic sampling (rounds and dropped groups agreed over ranks)."""
+    config = GRPOConfig(
+        **{**SMALL, "output_dir": output_dir, "dynamic_sampling": True, "max_sampling_rounds": 4, "beta": 0.1}
+    )
+    tokenizer = build_tokenizer()
+    trainer = GRPOTrainer(
+        config, model=build_model(tokenizer, seed=1), tokenizer=tokenizer, reward_funcs=[odd_only_reward]
+    )
+    return trainer.train_step()
+
+
+def lora_run(parallel: str, output_dir: str) -> list:
+    """Two steps of a LoRA run with gradient checkpointing, checkpointed each step."""
+    config = dict(lora_r=4, gradient_checkpointing=True, parallel=parallel, steps=2, save_every=1)
+    return trainer_for(dict(config=config), output_dir).train()
+
+
+def main(job_path: str, out_path: str) -> None:
+    job = torch.load(job_path, weights_only=False)
+    results = dict(cases=[], rank_errors=None)
+    scratch = os.path.dirname(out_path)
+    for case in job["cases"]:
+        results["cases"].append(case_gradients(case, job["batches"][case["batch"]], scratch))
+    try:
+        trainer_for(dict(config=dict(batch_size=12)), scratch)  # 3 prompts a step: not divisible by 2 ranks
+    except ValueError as exc:
+        results["rank_errors"] = str(exc)
+    results["dynamic"] = dynamic_sampling_step(scratch)
+    results["lora"] = lora_run("fsdp", job["lora_dir"])
+    if rank() == 0:
+        torch.save(results, out_path)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

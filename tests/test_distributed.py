@@ -1,0 +1,256 @@
+"""Many processes on torchrun (gloo, CPU): the same result at any world size.
+
+- gradients: one fixed rollout batch, world size 1 against 2, DDP and FSDP2, every loss type,
+  uneven and empty ranks, the fused LM head, GSPO, batch-scaled advantages, LoRA with
+  gradient checkpointing; dynamic sampling; an FSDP2 checkpoint resumed by one plain process
+- ``torchrun -m grpo_fast train``: learns as one process does, row for row at first; a rank
+  killed mid-run stops the job, ``--resume`` continues bit-exact, one process resumes too
+- a rank's failing reward function, or a rank that hangs, stops the job with that error
+
+Each torchrun job starts two fresh interpreters on the 2-core machine (about 10 s each).
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import _distributed_worker as worker
+import pytest
+import torch
+from conftest import rel_err
+
+from grpo_fast.spec import LOSS_TYPES
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+from grpo_fast.trainer import checkpoint as ckpt
+from grpo_fast.trainer.distributed import PARALLEL
+from grpo_fast.trainer.run_log import TIMING_KEYS, read_metrics, tenth_means
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun_command(*args) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
+
+
+def child_env(**extra) -> dict:
+    """This environment, tests/ importable (the helper rewards), one thread per rank."""
+    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)
+
+
+def run(command: list, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(command, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def without_timings(rows: list) -> list:
+    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in rows]
+
+
+def assert_rows_close(rows: list, expected: list, rel: float):
+    for got, want in zip(rows, expected):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            if key not in TIMING_KEYS:
+                assert got[key] == pytest.approx(value, rel=rel, abs=1e-6), (want["step"], key)
+
+
+# ---------------------------------------------------------------- gradients
+def gradient_cases() -> list:
+    """Every loss type under both parallelisms (float64, micro-batches cut by a token budget so
+    that the ranks hold different numbers), then the regimes that change what crosses ranks."""
+    cases = []
+    for parallel in PARALLEL:
+
+        def case(batch="float64", split=(8, 8), **config):
+            config = dict(max_tokens_per_micro_batch=24, parallel=parallel, **config)
+            dtype = torch.float64 if batch == "float64" else torch.float32
+            cases.append(dict(batch=batch, dtype=dtype, split=list(split), config=config))
+
+        for loss_type in LOSS_TYPES:
+            case(loss_type=loss_type, eps_high=5.0 if loss_type == "cispo" else None)
+        case(batch="float32", loss_type="grpo")
+        case(batch="float32", loss_type="dapo")
+        case(split=(12, 4), loss_type="dapo")  # uneven ranks, as dynamic sampling leaves them
+        case(split=(16, 0), loss_type="grpo")  # a rank with no rows runs fillers only
+        case(fused_linear=True)
+        case(importance_sampling="sequence")
+        case(advantage_scale="batch")  # the batch std is the global batch's
+        case(lora_r=4, gradient_checkpointing=True)
+    return cases
+
+
+def test_world_size_2_gives_the_gradients_of_world_size_1(tmp_path):
+    """Rank r takes rows [sum(split[:r]), ...) of one fixed batch; the gathered gradient equals
+    the one-process gradient of the whole batch (float64 to 1e-10, float32 to 1e-5), and so do
+    the pass's loss and metrics. The same job also checks the world-size validation, a
+    dynamic-sampling step against one process's, and resumes a 2-rank FSDP2 LoRA checkpoint in
+    this (plain) process."""
+    batches = {
+        name: worker.fixed_batch(worker.trainer_for(dict(dtype=dtype), str(tmp_path)))
+        for name, dtype in (("float64", torch.float64), ("float32", torch.float32))
+    }
+    cases = gradient_cases()
+    job, out, lora_dir = tmp_path / "job.pt", tmp_path / "out.pt", str(tmp_path / "lora")
+    torch.save(dict(cases=cases, batches=batches, lora_dir=lora_dir), job)
+    proc = run(torchrun_command(os.path.join(TESTS, "_distributed_worker.py"), str(job), str(out)), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    two = torch.load(out, weights_only=False)
+
+    for case, got in zip(cases, two["cases"]):
+        want = worker.case_gradients(case, batches[case["batch"]], str(tmp_path))
+        tolerance = 1e-10 if case["batch"] == "float64" else 1e-5
+        assert want["grads"].norm() > 0
+        assert rel_err(got["grads"], want["grads"]) < tolerance, case
+        assert got["sums"]["loss"] == pytest.approx(want["sums"]["loss"], rel=tolerance, abs=1e-12), case
+        for key, value in want["sums"].items():  # float32 metrics
+            assert got["sums"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (case, key)
+
+    assert "batch_size=12 gives 3 prompts per step" in two["rank_errors"]
+    assert "divisible by the world size 2" in two["rank_errors"]
+
+    one = worker.dynamic_sampling_step(str(tmp_path))
+    assert one["groups_dropped"] >= 1 and one["sampling_rounds"] >= 2
+    assert_rows_close([two["dynamic"]], [one], rel=1e-5)
+
+    # The 2-rank FSDP2 run wrote sharded checkpoints; this process, without a process group,
+    # resumes the last one and runs a third step. Its first two steps match one process's.
+    alone = worker.lora_run("ddp", str(tmp_path / "lora_alone"))
+    assert_rows_close(two["lora"], alone, rel=1e-4)
+    config = dict(lora_r=4, gradient_checkpointing=True, steps=3, save_every=1)
+    resumed = worker.trainer_for(dict(config=config), lora_dir)
+    assert resumed.resume() == 2
+    assert [m["step"] for m in resumed.train()] == [1, 2, 3]
+    assert os.path.isfile(os.path.join(lora_dir, "final", "adapter_model.safetensors"))
+
+
+# ---------------------------------------------------------------- the command line
+DEMO = [
+    "--steps",
+    "40",
+    "--save-every",
+    "10",
+    "--no-progress",
+    "--reward-funcs",
+    "_distributed_worker:arithmetic_or_pause",
+]
+
+
+def train_command(output: str, *args) -> list:
+    return torchrun_command("-m", "grpo_fast", "train", "--output", output, *DEMO, *args)
+
+
+def worker_pids(launcher: int) -> dict:
+    """{rank: pid} of the processes torchrun (pid ``launcher``) started."""
+    ranks = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if parent == launcher and b"RANK" in environ:
+            ranks[int(environ[b"RANK"])] = int(entry)
+    return ranks
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_torchrun_learns_like_one_process_and_resumes_after_a_killed_rank(tmp_path):
+    """``torchrun --nproc-per-node 2 -m grpo_fast train`` on the demo (40 steps): every row
+    equals one process's to float tolerance (the samples are the same; gradients summed over
+    ranks round differently, by about 1e-9 in the loss) and the reward rises. A second run's rank 1 is SIGKILLed at
+    step 23 (its reward function stops there): the job exits non-zero, no process is left.
+    ``--resume`` on 2 ranks continues from step 20 bit-exact against the uninterrupted run;
+    one plain process resumes the same checkpoint (resharded) and finishes as the others did."""
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    proc = run(train_command(full))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    rows = read_metrics(full)
+    assert [m["step"] for m in rows] == list(range(1, 41))
+
+    config = GRPOConfig(
+        steps=40, save_every=0, progress=False, reward_funcs=DEMO[-1:], output_dir=str(tmp_path / "one")
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank and the CLI's demo run
+    try:
+        alone = GRPOTrainer(config).train()
+    finally:
+        torch.set_num_threads(threads)
+    assert_rows_close(rows, alone, rel=1e-4)
+    first, last = tenth_means(rows)
+    assert last - first >= 0.1
+
+    paused = tmp_path / "paused"
+    launcher = subprocess.Popen(
+        train_command(cut),
+        env=child_env(GRPO_FAST_TEST_PAUSE="22", GRPO_FAST_TEST_PAUSED=str(paused)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 240
+        while not paused.exists() and launcher.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert paused.exists(), "rank 1 never reached step 23"
+        ranks = worker_pids(launcher.pid)
+        assert sorted(ranks) == [0, 1]
+        os.kill(ranks[1], signal.SIGKILL)
+        start = time.time()
+        launcher.wait(timeout=120)
+        assert launcher.returncode != 0 and time.time() - start < 60
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.stderr.close()
+    time.sleep(1)
+    assert not any(alive(pid) for pid in ranks.values())
+    assert ckpt.latest_checkpoint(cut) == ckpt.checkpoint_path(cut, 20)
+    assert not [d for d in os.listdir(os.path.join(cut, "checkpoints")) if d.startswith(".tmp")]
+
+    alone_dir = str(tmp_path / "cut_alone")
+    shutil.copytree(cut, alone_dir)
+    proc = run(torchrun_command("-m", "grpo_fast", "train", "--resume", "--output", cut, "--no-progress"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert without_timings(read_metrics(cut)) == without_timings(rows)
+
+    proc = run([sys.executable, "-m", "grpo_fast", "train", "--resume", "--output", alone_dir, "--no-progress"])
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    resumed = read_metrics(alone_dir)
+    assert [m["step"] for m in resumed] == list(range(1, 41))
+    assert_rows_close(resumed, rows, rel=1e-4)
+
+
+def test_a_failing_reward_on_one_rank_stops_the_job_with_its_error(tmp_path):
+    proc = run(train_command(str(tmp_path), "--reward-funcs", "_distributed_worker:fails_on_rank_1"), timeout=180)
+    assert proc.returncode != 0
+    assert "grpo-fast: error (rank 1): reward function 'fails_on_rank_1' raised KeyError" in proc.stderr
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_a_hanging_rank_times_out_the_job(tmp_path):
+    """Rank 1 sleeps in its reward function; rank 0 waits for it in a collective for
+    --collective-timeout-s seconds, fails, and torchrun stops the job."""
+    start = time.time()
+    args = ["--reward-funcs", "_distributed_worker:hangs_on_rank_1", "--collective-timeout-s", "5"]
+    proc = run(train_command(str(tmp_path), *args), timeout=180)
+    assert proc.returncode != 0
+    assert "Timed out waiting 5000ms" in proc.stderr, proc.stderr[-3000:]
+    assert time.time() - start < 90
