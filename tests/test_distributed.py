@@ -258,3 +258,16 @@ def test_a_hanging_rank_times_out_the_job(tmp_path):
     assert proc.returncode != 0
     assert "Timed out waiting 5000ms" in proc.stderr, proc.stderr[-3000:]
     assert time.time() - start < 90
+
+
+def test_compile_generation_under_fsdp_is_refused_before_the_model_loads(tmp_path):
+    """A CUDA graph replays fixed weight addresses; FSDP2 gathers the weights anew each rollout."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        config = GRPOConfig(compile_generation=True, parallel="fsdp", device="cpu", output_dir=str(tmp_path / "run"))
+        with pytest.raises(ValueError, match="compile_generation replays a CUDA graph .* use parallel='ddp'"):
+            GRPOTrainer(config)
+    finally:
+        dist.destroy_process_group()

@@ -78,6 +78,32 @@ def test_model_path_that_is_not_a_causal_lm(tmp_path):
         memory.run_memory_benchmark(preset="tiny", model=str(vision))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_report_each_rank(tmp_path, parallel):
+    """--nproc 2 runs the worker under torchrun: one result per rank, the peak is the larger;
+    DDP ranks hold whole replicas, FSDP2 ranks shards that add up to one replica."""
+    one = memory.run_memory_benchmark(preset="tiny", configs=["grpo_fused"], repeats=1)["grpo_fused"]
+    two = memory.run_memory_benchmark(
+        preset="tiny", configs=["grpo_fused"], repeats=1, nproc=2, parallel=parallel, json_path=str(tmp_path / "m.json")
+    )
+    assert json.loads((tmp_path / "m.json").read_text())["meta"]["settings"]["nproc"] == 2
+    res = two["grpo_fused"]
+    assert "error" not in res, res
+    ranks = res["ranks"]
+    assert len(ranks) == 2 and res["peak_bytes"] == max(r["peak_bytes"] for r in ranks) > 0
+    counters = one["optimizer_bytes"] - 2 * one["grads_bytes"]  # AdamW's step counters, beside the moments
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        held = [r[key] for r in ranks]
+        if parallel == "ddp":
+            assert held == [one[key], one[key]], key
+        else:  # every rank keeps its own step counters
+            assert sum(held) == one[key] + (counters if key == "optimizer_bytes" else 0), key
+            assert max(held) < one[key], key
+    # each rank's forward holds half the rows' logits
+    assert [r["logits_bytes"] for r in ranks] == [one["logits_bytes"] // 2] * 2
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -87,8 +113,23 @@ def test_model_path_that_is_not_a_causal_lm(tmp_path):
         (dict(configs=["ppo", "dpo"]), r"unknown configs \['dpo'\]"),
         (dict(repeats=0), r"repeats must be >= 1"),
         (dict(jobs=0), r"jobs must be >= 1"),
+        (dict(nproc=0), r"nproc must be an int >= 1, got 0"),
+        (dict(nproc=2, configs=["ppo", "grpo_fused"]), r"the PPO baseline runs in one process"),
+        (dict(nproc=4), r"batch=8 holds 2 groups of 4, which must be divisible by nproc=4"),
+        (dict(nproc=2, parallel="zero3"), r"parallel must be one of \('ddp', 'fsdp'\), got 'zero3'"),
     ],
-    ids=["batch-not-divisible", "batch-zero", "micro-batch-too-big", "unknown-config", "no-repeats", "no-jobs"],
+    ids=[
+        "batch-not-divisible",
+        "batch-zero",
+        "micro-batch-too-big",
+        "unknown-config",
+        "no-repeats",
+        "no-jobs",
+        "no-processes",
+        "ppo-on-many-processes",
+        "groups-not-divisible",
+        "unknown-parallel",
+    ],
 )
 def test_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):

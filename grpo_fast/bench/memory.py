@@ -22,8 +22,14 @@ logits and temporaries). The first step's own peak is reported beside it: it is 
 the moments are created after the backward has freed its activations. Step time is the
 median of ``repeats`` further steps.
 
+With ``--nproc N`` each GRPO configuration runs under torchrun on N processes (``--parallel
+ddp`` or ``fsdp``), each rank holding its share of the batch: what is reported is the peak of
+each rank, and ``peak_bytes`` is the largest; the state columns are one rank's (under FSDP2
+its shards). PPO runs in one process only (left out by default).
+
     grpo-fast bench memory --preset 100m --json memory.json --plot memory.png
     grpo-fast bench memory --model ./my-llama --batch 16
+    grpo-fast bench memory --preset 100m --configs grpo_fused --nproc 2 --parallel fsdp
     python -m grpo_fast.bench.memory --preset tiny
 """
 
@@ -32,6 +38,8 @@ import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+
+from grpo_fast.trainer.distributed import PARALLEL
 
 CONFIGS = ("ppo", "grpo_eager", "grpo_fused", "grpo_fused_linear")
 
@@ -134,34 +142,19 @@ def _synthetic_batch(N: int, P: int, C: int, V: int, device):
 
 
 def _fixed_rollout_trainer(base):
-    """``base`` (GRPOTrainer or PPOTrainer) whose rollout is ``self.fixed_batch`` instead of
-    sampling: the rest of the rollout (old and reference log-probs) and the step run as usual."""
-    from grpo_fast.trainer.rollout import Rollout, completion_logprobs, reference_context
+    """``base`` (GRPOTrainer or PPOTrainer) whose samples are this rank's rows of
+    ``self.fixed_batch`` instead of sampled ones: the rest of the rollout (reference log-probs)
+    and the step run as usual."""
+    from grpo_fast.trainer.rollout import Rollout
 
     class FixedRolloutTrainer(base):
         fixed_batch: dict
 
-        def make_rollout(self) -> Rollout:
-            config, batch = self.config, self.fixed_batch
-            N, C = batch["completion_mask"].shape
-            ids, mask = batch["input_ids"], batch["attention_mask"]
-            options = dict(temperature=config.temperature, micro_batch_size=config.micro_batch_size, bf16=self.bf16)
-            old = completion_logprobs(self.policy, ids, mask, C, **options) if config.num_iterations > 1 else None
-            ref = None
-            if self.reference is not None:
-                with reference_context(self.policy, self.reference):
-                    ref = completion_logprobs(self.reference, ids, mask, C, **options)
-            return Rollout(
-                prompts=[""] * N,
-                completions=[""] * N,
-                columns={},
-                input_ids=ids,
-                attention_mask=mask,
-                completion_mask=batch["completion_mask"],
-                rewards=batch["rewards"],
-                old_logprobs=old,
-                ref_logprobs=ref,
-            )
+        def sample_groups(self) -> Rollout:
+            share = self.fixed_batch["input_ids"].shape[0] // self.ranks.world_size
+            rows = slice(self.ranks.rank * share, (self.ranks.rank + 1) * share)
+            batch = {name: tensor[rows] for name, tensor in self.fixed_batch.items()}
+            return Rollout(prompts=[""] * share, completions=[""] * share, columns={}, **batch)
 
     return FixedRolloutTrainer
 
@@ -178,7 +171,9 @@ def _build_policy(spec: dict):
 
 
 def _state_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this rank holds: a DTensor (FSDP2) counts its local shard."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def worker(spec: dict) -> dict:
@@ -188,16 +183,15 @@ def worker(spec: dict) -> dict:
     import torch
 
     from grpo_fast.bench.measure import current_rss_bytes, peak_rss_bytes, time_fn
-    from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+    from grpo_fast.trainer import GRPOConfig, GRPOTrainer, distributed
     from grpo_fast.trainer.ppo import PPOConfig, PPOTrainer
 
     name = spec["config"]
-    if spec["jobs"] > 1:  # processes side by side share the cores instead of oversubscribing them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec["jobs"]))
+    processes = spec["jobs"] * spec.get("nproc", 1)
+    if processes > 1:  # processes side by side share the cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
     torch.manual_seed(0)
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if spec["device"] == "auto" else spec["device"]
-    )
+    device = distributed.resolve_device(spec["device"])  # under torchrun: cuda:LOCAL_RANK
     cuda = device.type == "cuda"
     baseline = torch.cuda.memory_allocated(device) if cuda else current_rss_bytes()
 
@@ -213,6 +207,7 @@ def worker(spec: dict) -> dict:
         fused_linear=name == "grpo_fused_linear",
         warmup_steps=0,
         device=str(device),
+        parallel=spec.get("parallel", "ddp"),
         progress=False,
     )
     config_cls, trainer_cls = (PPOConfig, PPOTrainer) if name == "ppo" else (GRPOConfig, GRPOTrainer)
@@ -238,7 +233,7 @@ def worker(spec: dict) -> dict:
     if trainer.reference is not None and trainer.reference is not trainer.policy:
         held += list(trainer.reference.parameters())
     optimizer_states = [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
-    micro = spec["micro_batch"] or N
+    micro = min(spec["micro_batch"] or N, N // trainer.ranks.world_size)  # rows per forward on this rank
     logits_dtype = torch.bfloat16 if trainer.bf16 else torch.float32
     logits = 0 if name == "grpo_fused_linear" else micro * (C + 1) * V * logits_dtype.itemsize
     states = dict(
@@ -246,7 +241,7 @@ def worker(spec: dict) -> dict:
         grads_bytes=_state_bytes({id(p): p for p in trainable}.values()),
         optimizer_bytes=_state_bytes(optimizer_states),
     )
-    return dict(
+    result = dict(
         peak_bytes=int(peak),
         first_step_peak_bytes=int(peaks[0]),
         step_s=timing["median_s"],
@@ -258,6 +253,14 @@ def worker(spec: dict) -> dict:
         num_params=sum(p.numel() for p in {id(p): p for p in trainer.policy.parameters()}.values()),
         device=device.type,
     )
+    if not trainer.ranks.active:
+        return result
+    import torch.distributed as dist
+
+    ranks = [None] * trainer.ranks.world_size
+    dist.all_gather_object(ranks, result)
+    distributed.shutdown()
+    return dict(ranks[0], peak_bytes=max(r["peak_bytes"] for r in ranks), ranks=ranks)
 
 
 # ---------------------------------------------------------------- the driver
@@ -274,6 +277,8 @@ def run_memory_benchmark(
     configs=None,
     repeats: int = 2,
     jobs: int = 1,
+    nproc: int = 1,
+    parallel: str = "ddp",
     device: str = "auto",
     json_path: str | None = None,
     plot_path: str | None = None,
@@ -283,7 +288,9 @@ def run_memory_benchmark(
     "meta": {...}}`` and writes it to ``json_path`` and a bar chart to ``plot_path`` when given.
 
     ``jobs`` > 1 runs that many configurations at once: each peak is its own process's and
-    stays valid, but the step times then share the CPU and are not comparable.
+    stays valid, but the step times then share the CPU and are not comparable. ``nproc`` > 1
+    runs each GRPO configuration under torchrun on that many processes (``parallel``: ddp or
+    fsdp); PPO, which runs in one process, is then left out (naming it is a ValueError).
     ``model`` (a local causal-LM folder) replaces the preset's model; the preset still gives
     the batch shape unless ``batch``, ``prompt_length`` or ``completion_length`` override it.
     """
@@ -292,10 +299,14 @@ def run_memory_benchmark(
     settings = preset_settings(preset)
     if model is not None:
         check_causal_lm(model)
-    configs = list(CONFIGS if configs is None else configs)
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
+    configs = list((CONFIGS if nproc == 1 else CONFIGS[1:]) if configs is None else configs)
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
+    if nproc > 1 and "ppo" in configs:
+        raise ValueError(f"the PPO baseline runs in one process: leave ppo out of configs with nproc={nproc}")
     overrides = dict(
         batch=batch, micro_batch=micro_batch, prompt_length=prompt_length, completion_length=completion_length
     )
@@ -312,6 +323,13 @@ def run_memory_benchmark(
         raise ValueError(f"repeats must be >= 1, got {repeats!r}")
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs!r}")
+    if (settings["batch"] // group_size) % nproc:
+        raise ValueError(
+            f"batch={settings['batch']} holds {settings['batch'] // group_size} groups of {group_size}, which must be "
+            f"divisible by nproc={nproc} (each process trains whole groups)"
+        )
+    if parallel not in PARALLEL:
+        raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
 
     import grpo_fast
 
@@ -323,14 +341,19 @@ def run_memory_benchmark(
         beta=beta,
         repeats=repeats,
         jobs=jobs,
+        nproc=nproc,
+        parallel=parallel,
         device=device,
     )
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
     def run(name):
         if name == "grpo_fused_linear" and not hasattr(grpo_fast, "fused_linear_grpo_loss"):
             result = {"error": "grpo_fast.fused_linear_grpo_loss is not available in this install"}
         else:
-            argv = [sys.executable, "-m", "grpo_fast.bench.memory"]
+            argv = [*launcher, "-m", "grpo_fast.bench.memory"]
             result = run_isolated(argv, dict(spec, config=name), env=dict(os.environ, **MALLOC_ENV))
         echo(f"{name}: {result}")
         return result
@@ -386,6 +409,7 @@ def table_rows(results: dict) -> list:
                 "optimizer MB": mb(res["optimizer_bytes"]),
                 "logits MB": mb(res["logits_bytes"]),
                 "rest MB": mb(res["rest_bytes"]),
+                "rank peaks MB": ", ".join(mb(r["peak_bytes"]) for r in res.get("ranks", [res])),
             }
         )
     return rows
@@ -402,6 +426,7 @@ TABLE_COLUMNS = [
     "optimizer MB",
     "logits MB",
     "rest MB",
+    "rank peaks MB",
 ]
 
 
@@ -434,6 +459,8 @@ def plot_results(results: dict, path: str) -> None:
         )
     settings = results["meta"]["settings"]
     model = settings["model_path"] or f"preset {settings['preset']}"
+    if settings.get("nproc", 1) > 1:  # older JSON has no nproc
+        model += f", per rank of {settings['nproc']} ({settings['parallel']})"
     ax.set_title(
         f"peak memory of a training step ({model}, {results[names[0]]['device'] if names else ''})\n"
         f"batch {settings['batch']} x ({settings['prompt_length']} + {settings['completion_length']}) tokens, "
@@ -464,9 +491,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--beta", type=float, default=0.0, help="KL weight; > 0 adds a frozen reference model (default 0)"
     )
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), help=f"subset of {' '.join(CONFIGS)}")
+    parser.add_argument(
+        "--configs", nargs="+", help=f"subset of {' '.join(CONFIGS)} (default: all; with --nproc > 1 all but ppo)"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed steps after the measured one (default 2)")
     parser.add_argument("--jobs", type=int, default=1, help="configurations at once (peaks stay valid, times do not)")
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="processes per GRPO configuration, under torchrun (default 1)"
+    )
+    parser.add_argument("--parallel", default="ddp", help=f"with --nproc > 1: {' or '.join(PARALLEL)} (default ddp)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a bar chart (PNG) here")
@@ -490,6 +523,8 @@ def command(args: argparse.Namespace) -> int:
             configs=args.configs,
             repeats=args.repeats,
             jobs=args.jobs,
+            nproc=args.nproc,
+            parallel=args.parallel,
             device=args.device,
             json_path=args.json,
             plot_path=args.plot,
@@ -515,7 +550,9 @@ def main(argv=None, prog: str | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
+        result = worker(json.loads(args.worker))
+        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank returns every rank's numbers
+            print(json.dumps(result))
         return 0
     return command(args)
 

@@ -120,6 +120,11 @@ class GRPOTrainer:
                 f"group_size), which must be divisible by the world size {self.ranks.world_size}: each rank samples "
                 "the same number of whole groups"
             )
+        if config.compile_generation and config.parallel == "fsdp" and self.ranks.active:
+            raise ValueError(
+                "compile_generation replays a CUDA graph on fixed weight addresses, but under FSDP2 the weights are "
+                "gathered anew for each rollout: use parallel='ddp', or no compile_generation"
+            )
         self.bf16 = config.precision == "bf16" or (config.precision == "auto" and self.device.type == "cuda")
         if model is None:
             model, tokenizer = load_model_and_tokenizer(config, flash_attention_available(self.device, self.bf16))
@@ -183,7 +188,7 @@ class GRPOTrainer:
         under FSDP2), ``train_module`` (what the backward passes run: DDP's wrapper of it, or it)
         and ``reference_module`` (the frozen copy's, sharded alike; the policy's own for a peft
         policy, whose reference is itself with adapters off)."""
-        config, ranks = self.config, self.ranks
+        config = self.config
         self.filler = filler(self.device)
         self.packed_policy = PackedPolicy(self.policy, self.loss_config, bf16=self.bf16)
         self.train_module = distributed.wrap(self.packed_policy, config.parallel, self.device, bf16=self.bf16)
@@ -198,13 +203,14 @@ class GRPOTrainer:
                 bf16=self.bf16,
                 trainable=False,
             )
-        for module in (self.packed_policy, self.reference_module):
-            if ranks.active and module is not None and distributed.is_sharded(module):
-                with (
-                    torch.no_grad()
-                ):  # FSDP2 finds its root on the first forward: the root's, before any layer runs alone
+        for module in dict.fromkeys(m for m in (self.packed_policy, self.reference_module) if m is not None):
+            if distributed.is_sharded(module):
+                # FSDP2 finds its root on the first forward: the root's, before any layer runs alone
+                # (generation calls the layers). The root keeps its whole weights after a forward;
+                # the optimizer needs the shards.
+                with torch.no_grad():
                     module(self.filler)
-                module.reshard()  # the root keeps its whole weights after a forward; the optimizer needs the shards
+                module.reshard()
 
     def _load_rows(self) -> list:
         config = self.config
@@ -283,7 +289,8 @@ class GRPOTrainer:
         return torch.cat(out) if out else torch.zeros_like(batch.completion_mask)
 
     def sample_groups(self) -> Rollout:
-        """prompts_per_step groups of G samples with their rewards. With dynamic_sampling (DAPO)
+        """This rank's share of prompts_per_step groups of G samples with their rewards (the
+        weights gathered for generation under FSDP2). With dynamic_sampling (DAPO)
         a group whose rewards are all equal is dropped (its advantages are 0: no signal) and
         another round of prompts is sampled, until the batch is full or max_sampling_rounds
         rounds ran; surplus groups of the last round are left out. The batch may then hold
