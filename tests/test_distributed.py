@@ -40,7 +40,8 @@ def torchrun_command(*args) -> list:
 def child_env(**extra) -> dict:
     """This environment, tests/ importable (the helper rewards), one thread per rank."""
     path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)
+    # no GPU either: on a GPU host rank 1 would ask for cuda:1, and the tests expect gloo
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **extra)
 
 
 def run(command: list, timeout: float = 300, **env) -> subprocess.CompletedProcess:
@@ -271,3 +272,19 @@ def test_compile_generation_under_fsdp_is_refused_before_the_model_loads(tmp_pat
             GRPOTrainer(config)
     finally:
         dist.destroy_process_group()
+
+
+def test_under_torchrun_each_rank_has_its_own_gpu_and_ppo_is_refused(monkeypatch):
+    from grpo_fast.trainer.distributed import resolve_device
+    from grpo_fast.trainer.ppo import PPOConfig, PPOTrainer
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"device='cuda:0' under torchrun: .* \(here cuda:1\); pass device='cuda'"):
+        resolve_device("cuda:0")
+    # refused before a process group is joined or a model wrapped
+    with pytest.raises(ValueError, match="the PPO baseline runs in one process"):
+        PPOTrainer(PPOConfig(device="cpu"))

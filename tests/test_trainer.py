@@ -232,6 +232,22 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert len({m["reward_mean"] for m in full}) > 1  # the compared metrics do vary
 
 
+def test_a_rank_the_checkpoint_lacks_keeps_its_own_random_state(tmp_path):
+    """Resuming on more ranks: rank 0 gets the stored generators, a new rank keeps its own
+    (copying rank 0's would make the two draw alike)."""
+    trainer = GRPOTrainer(small_config(tmp_path, steps=1, save_every=1))
+    trainer.train()
+    path = ckpt.latest_checkpoint(trainer.output_dir)
+    stored = torch.load(os.path.join(path, "rng-0.pt"), weights_only=False)["torch"]
+    for rank in (0, 1):
+        torch.manual_seed(1234 + rank)
+        before = torch.get_rng_state()
+        trainer.ranks.rank = rank
+        ckpt.load_checkpoint(path, trainer.policy, trainer.optimizer, trainer.ranks)
+        assert torch.equal(torch.get_rng_state(), stored if rank == 0 else before), rank
+    assert not torch.equal(stored, before)
+
+
 def test_corrupt_or_foreign_checkpoint_is_a_clear_error(tmp_path):
     trainer = GRPOTrainer(small_config(tmp_path, steps=1))
     trainer.train()

@@ -96,6 +96,8 @@ else  # torch.compile is timed by the time stage; compiling it again here would 
 fi
 stage "pytest-benchmark" 50 python3 -m pytest benchmarks/ --benchmark-only -q -p no:cacheprovider \
     --benchmark-json "$OUT/pytest_benchmark${DRY:+_dryrun}.json" "${bench_args[@]}"
+# Last, in what the budgets above leave (at least 20 s): the CUDA side of the torchrun trainer.
+stage "torchrun" 60 bash benchmarks/gpu/check_torchrun.sh
 
 echo "=== done in $(($(date +%s) - START)) s; results in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then

@@ -33,9 +33,11 @@ class CheckpointError(ValueError):
 
 
 def rng_state() -> dict:
+    """The global generators' states; of CUDA's, the current device's only (this rank's GPU:
+    a job resumed where fewer GPUs are visible has no generator for the others)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -44,7 +46,7 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def checkpoint_path(output_dir: str, step: int) -> str:
@@ -123,9 +125,10 @@ def save_checkpoint(output_dir: str, state: dict, model, optimizer, ranks, keep:
 
 def load_checkpoint(path: str, model, optimizer, ranks) -> dict:
     """Restores the trainable weights of ``model`` and the states of ``optimizer`` (resharded
-    to this job) and this rank's RNG states (rank 0's when the checkpoint had fewer ranks);
-    returns the trainer state (the REQUIRED_KEYS). A truncated, corrupt or incomplete
-    checkpoint, or another model's, is a :class:`CheckpointError`."""
+    to this job) and this rank's RNG states (a rank the checkpoint did not have keeps its own
+    seeding: copying another rank's would make the two draw alike); returns the trainer state
+    (the REQUIRED_KEYS). A truncated, corrupt or incomplete checkpoint, or another model's, is
+    a :class:`CheckpointError`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -158,7 +161,8 @@ def load_checkpoint(path: str, model, optimizer, ranks) -> dict:
         ),  # frozen weights are not stored; names checked above
     )
     rng = os.path.join(path, f"rng-{ranks.rank}.pt")
-    set_rng_state(torch.load(rng if os.path.exists(rng) else os.path.join(path, "rng-0.pt"), weights_only=False))
+    if os.path.exists(rng):
+        set_rng_state(torch.load(rng, weights_only=False))
     return state
 
 

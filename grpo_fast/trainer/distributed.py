@@ -43,22 +43,33 @@ def launched_by_torchrun() -> bool:
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` = CUDA when available, else CPU; under torchrun a CUDA device without an
-    index is this process's own, ``cuda:LOCAL_RANK``."""
+    index is this process's own, ``cuda:LOCAL_RANK``, and another index is a ValueError
+    (every rank would share that GPU)."""
     kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     resolved = torch.device(kind)
-    if resolved.type == "cuda" and resolved.index is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", 0)) if launched_by_torchrun() else 0
-        resolved = torch.device("cuda", local_rank)
+    if resolved.type != "cuda":
+        return resolved
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if launched_by_torchrun() else 0
+    if resolved.index is None:
+        return torch.device("cuda", local_rank)
+    if launched_by_torchrun() and resolved.index != local_rank:
+        raise ValueError(
+            f"device={device!r} under torchrun: each process trains on its own GPU, cuda:LOCAL_RANK (here "
+            f"cuda:{local_rank}); pass device='cuda' or 'auto'"
+        )
     return resolved
 
 
 def setup(device: torch.device, timeout_s: float) -> "Ranks":
     """Joins torchrun's job (NCCL on CUDA, gloo on CPU; collectives time out after
     ``timeout_s``) unless a process group already exists, which is then used as it is.
-    Returns this process's :class:`Ranks`; a single process without torchrun gets rank 0 of 1."""
-    if launched_by_torchrun() and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+    Returns this process's :class:`Ranks`; a single process without torchrun gets rank 0 of 1.
+    In a job, a CUDA ``device`` becomes the process's current device (NCCL's object
+    collectives and FSDP2 use it)."""
+    joining = launched_by_torchrun() and not dist.is_initialized()
+    if device.type == "cuda" and (joining or dist.is_initialized()):
+        torch.cuda.set_device(device)
+    if joining:
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -178,16 +189,20 @@ def wrap(module: torch.nn.Module, parallel: str, device: torch.device, *, bf16: 
             broadcast_buffers=False,  # rotary tables and the like are constants: no broadcast per forward
             gradient_as_bucket_view=True,  # the reduction buckets are the gradients, not a second copy
         )
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # The mesh of the trainer's device type: without one FSDP2 takes the host's accelerator,
+    # which puts the shards of a CPU run on a GPU host on cuda:0.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     precision = MixedPrecisionPolicy()
     if bf16 and device.type == "cuda":
         precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     blocks = {name for m in module.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
     for layer in module.modules():
         if type(layer).__name__ in blocks:
-            fully_shard(layer, mp_policy=precision)
-    return fully_shard(module, mp_policy=precision)
+            fully_shard(layer, mesh=mesh, mp_policy=precision)
+    return fully_shard(module, mesh=mesh, mp_policy=precision)
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

@@ -26,9 +26,9 @@ Many devices (``distributed.py``; ``torchrun ... -m grpo_fast train``): each ran
 and scores its contiguous share of every step's prompts, whole groups, from the one seeded
 data order; the group advantages are computed from every rank's rewards (all-gathered), the
 loss normalisers and micro-batch weights from global row and token counts, and every logged
-number is reduced over ranks, so a step's gradient and its log line do not depend on the
-world size. Only rank 0 writes the metrics, plot, progress bar and final model; every rank
-writes its shards of a checkpoint.
+statistic of the batch is reduced over ranks (timings are rank 0's), so a step's gradient and
+its log line do not depend on the world size. Only rank 0 writes the metrics, plot, progress
+bar and final model; every rank writes its shards of a checkpoint.
 """
 
 import copy

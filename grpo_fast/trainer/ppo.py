@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_fast.spec import option
+from grpo_fast.trainer import distributed
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.grpo import GRPOTrainer
 from grpo_fast.trainer.rollout import Rollout, autocast, completion_hidden
@@ -156,12 +157,12 @@ class PPOTrainer(GRPOTrainer):
     def __init__(self, config: PPOConfig, **kwargs):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}")
-        super().__init__(config, **kwargs)
-        if self.ranks.world_size > 1:
+        if distributed.launched_by_torchrun():
             raise ValueError(
                 "the PPO baseline runs in one process (its critic is not wrapped for DDP or FSDP2): start it without "
                 "torchrun"
             )
+        super().__init__(config, **kwargs)
         self.value_model = ValueModel(self.policy).to(self.device).train()
         self.value_optimizer = torch.optim.AdamW(
             self.value_model.parameters(),
