@@ -151,10 +151,10 @@ def _fixed_rollout_trainer(base):
         fixed_batch: dict
 
         def sample_groups(self) -> Rollout:
-            share = self.fixed_batch["input_ids"].shape[0] // self.ranks.world_size
-            rows = slice(self.ranks.rank * share, (self.ranks.rank + 1) * share)
+            rows = self.ranks.share(self.fixed_batch["input_ids"].shape[0])
             batch = {name: tensor[rows] for name, tensor in self.fixed_batch.items()}
-            return Rollout(prompts=[""] * share, completions=[""] * share, columns={}, **batch)
+            n = rows.stop - rows.start
+            return Rollout(prompts=[""] * n, completions=[""] * n, columns={}, **batch)
 
     return FixedRolloutTrainer
 

@@ -101,6 +101,14 @@ class Ranks:
 
     def sum(self, value):
         """The sum over ranks of a number or a tensor (same shape on every rank)."""
+        return self._all_reduce(value, dist.ReduceOp.SUM)
+
+    def max(self, value):
+        """The largest over ranks of a number or a tensor (elementwise)."""
+        return self._all_reduce(value, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, value, op):
+        """``value`` (a number or a tensor) reduced over ranks by ``op``, returned as it came."""
         if self.world_size == 1:
             return value
         if torch.is_tensor(value):
@@ -109,18 +117,16 @@ class Ranks:
             total = torch.tensor(
                 value, dtype=torch.float64 if isinstance(value, float) else torch.long, device=self.device
             )
-        dist.all_reduce(total)
+        dist.all_reduce(total, op=op)
         if torch.is_tensor(value):
             return total.to(value.device)
         return type(value)(total.item())
 
-    def max(self, value: int) -> int:
-        """The largest of an int over ranks."""
-        if self.world_size == 1:
-            return value
-        largest = torch.tensor(value, device=self.device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-        return int(largest.item())
+    def share(self, count: int) -> slice:
+        """This rank's contiguous share of ``count`` items that every rank holds alike (``count``
+        divisible by the world size)."""
+        size = count // self.world_size
+        return slice(self.rank * size, (self.rank + 1) * size)
 
     def sum_metrics(self, sums: dict) -> dict:
         """Per-key sums of floats over ranks; a key is None when it is None on any rank."""
@@ -162,7 +168,7 @@ class Ranks:
         """``(item or None, sync)`` pairs: the items, then None until each rank has yielded as
         many pairs as the rank with the most items; ``sync`` is True on the last pair only (the
         backward that reduces gradients). A single process yields its items alone."""
-        count = len(items) if self.world_size == 1 else self.max(len(items))
+        count = self.max(len(items))
         for i in range(count):
             yield (items[i] if i < len(items) else None), i == count - 1
 

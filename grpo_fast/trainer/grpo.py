@@ -255,8 +255,7 @@ class GRPOTrainer:
             rows.append(self.rows[self._epoch_order(epoch)[index]])
             keys.append(self.data_position)
             self.data_position += 1
-        share = len(rows) // self.ranks.world_size
-        mine = slice(self.ranks.rank * share, (self.ranks.rank + 1) * share)
+        mine = self.ranks.share(len(rows))
         return rows[mine], keys[mine]
 
     def _epoch_order(self, epoch: int) -> list:
@@ -488,10 +487,6 @@ class GRPOTrainer:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     # ---------------------------------------------------------------- checkpoints
-    def trainable_state(self) -> dict:
-        """This rank's trainable weights (under FSDP2 its shards), copied to CPU."""
-        return {name: p.detach().cpu().clone() for name, p in self.policy.named_parameters() if p.requires_grad}
-
     def save_checkpoint(self) -> str:
         """Writes the step's checkpoint (every rank its shards; ``checkpoint.py``)."""
         state = dict(
