@@ -60,10 +60,9 @@ from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
 from trl.trainer.utils import maybe_gather_lm_head_ctx, nanmax, nanmin
 
-from grpo_fast.ops._backend import select_backend
-from grpo_fast.ops._policy import LossInputs, PolicyBatch, loss_terms
-from grpo_fast.ops.fused_linear_grpo_loss import FusedLinearGRPOFunction, _chunk_rows, fused_linear_token_logprobs
-from grpo_fast.spec import LOSS_TYPES, LossConfig, accumulate_dtype
+from grpo_fast.ops._policy import LossInputs, loss_terms
+from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_parts, fused_linear_token_logprobs
+from grpo_fast.spec import LOSS_TYPES, LossConfig
 
 # Batch keys that TRL feeds to the model besides the token ids: multimodal models.
 MODEL_INPUT_KEYS = (
@@ -160,7 +159,7 @@ class LossHead:
 
     def __call__(self, hidden, lm_head):
         config, ids, mask = self.config, self.ids, self.mask
-        B, T = ids.shape
+        T = ids.shape[1]
         with maybe_gather_lm_head_ctx(lm_head.weight, lm_head.bias):
             hidden, weight, bias = head_operands(
                 hidden[:, -T - 1 : -1], lm_head, self.trainer.args.cast_lm_head_to_fp32
@@ -180,27 +179,14 @@ class LossHead:
                     weights = high if weights is None else weights * high
                 # dapo/cispo: the token sum (normaliser 1); TRL's normaliser divides it afterwards
                 num_items = 1 if config.kind.aggregation == "global_tokens" else None
+                if weights is not None and weights.shape[1] == 1:  # TRL's sequence-level [B, 1]: the op's [B]
+                    weights = weights.squeeze(1)
                 inputs = LossInputs(self.advantages, mask, self.old, self.ref, weights, num_items)
-                self.batch = PolicyBatch.prepare(config, (B, T), accumulate_dtype(hidden), hidden.device, inputs)
                 # fused_linear_grpo_loss, keeping the per-token log-probs that TRL's per-sequence metrics need
-                wanted = tuple(
-                    torch.is_grad_enabled() and x is not None and x.requires_grad for x in (hidden, weight, bias)
+                loss, self.logp, computed, self.batch = fused_linear_loss_parts(
+                    hidden, weight, bias, ids, inputs, config, return_entropy=entropy is None
                 )
-                rows = _chunk_rows(B * T, weight.shape[0], hidden.element_size(), hidden.device, None)
-                loss, self.logp, *computed = FusedLinearGRPOFunction.apply(
-                    hidden,
-                    weight,
-                    bias,
-                    ids,
-                    self.batch,
-                    config,
-                    entropy is None,
-                    rows,
-                    wanted,
-                    True,
-                    select_backend(hidden),
-                )
-        self.entropy = computed[0] if entropy is None else entropy
+        self.entropy = computed if entropy is None else entropy
         return loss
 
 

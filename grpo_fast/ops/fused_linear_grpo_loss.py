@@ -134,15 +134,19 @@ class FusedLinearGRPOFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, batch, config, return_entropy, rows, wanted, fp32_weight_grad, backend):
+    def forward(
+        ctx, hidden, weight, bias, ids, batch, config, return_entropy, chunk_size, wanted, fp32_weight_grad, backend
+    ):
         B, T, H = hidden.shape
         N = B * T
         temperature = float(config.temperature)
         _, bwd = _kernels(backend)
         # Only active (mask != 0) tokens are swept: padding costs no matmul and no vocabulary
-        # pass. idx [Na] are their flat positions; the sweep works on [Na] rows throughout.
+        # pass. idx [Na] are their flat positions; the sweep works on [Na] rows throughout,
+        # in chunks split evenly over them.
         idx = batch.mask.reshape(-1).nonzero().squeeze(1)
         compact = idx.numel() < N
+        rows = _chunk_rows(idx.numel(), weight.shape[0], hidden.element_size(), hidden.device, chunk_size)
         h = hidden.reshape(N, H)[idx] if compact else hidden.reshape(N, H)  # [Na, H]
         tok = ids.reshape(-1)[idx] if compact else ids.reshape(-1)  # [Na]
         tokens = batch.take(idx)  # the per-token inputs of those rows, flat [Na]
@@ -225,6 +229,57 @@ def _check_linear(hidden, weight, bias, ids, temperature, chunk_size) -> None:
     check_temperature(temperature)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int (token rows per chunk) or None, got {chunk_size!r}")
+
+
+def _check_call(hidden, weight, bias, ids, inputs: LossInputs, config: LossConfig, chunk_size) -> None:
+    _check_linear(hidden, weight, bias, ids, config.temperature, chunk_size)
+    inputs.check(hidden.shape[0], hidden.shape[1], config)
+
+
+def fused_linear_loss_parts(
+    hidden,
+    weight,
+    bias,
+    ids,
+    inputs: LossInputs,
+    config: LossConfig,
+    *,
+    return_entropy,
+    chunk_size=None,
+    fp32_weight_grad=True,
+):
+    """The fused loss with the per-token values :func:`fused_linear_grpo_loss` reduces to
+    metrics: ``(loss, logp [B, T], entropy [B, T] or None, batch)``, logp and entropy detached
+    and 0 on padding, ``batch`` the prepared :class:`PolicyBatch`. Checks its inputs as the
+    public op does; runs the fused kernels whatever the backend (the reference is the public
+    op's). For callers that keep the per-token values (the trainer's first pass records its
+    log-probs; TRL's metrics are per sequence) without a second sweep of the vocabulary."""
+    _check_call(hidden, weight, bias, ids, inputs, config, chunk_size)
+    B, T, _ = hidden.shape
+    batch = PolicyBatch.prepare(config, (B, T), accumulate_dtype(hidden), hidden.device, inputs)
+    wanted = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (hidden, weight, bias))
+    loss, logp, *entropy = FusedLinearGRPOFunction.apply(
+        hidden,
+        weight,
+        bias,
+        ids,
+        batch,
+        config,
+        return_entropy,
+        chunk_size,
+        wanted,
+        fp32_weight_grad,
+        select_backend(hidden),
+    )
+    return loss, logp, (entropy[0] if return_entropy else None), batch
+
+
+def loss_output(loss, logp, entropy, batch: PolicyBatch, config: LossConfig) -> LossOutput:
+    """:func:`fused_linear_grpo_loss`'s result from :func:`fused_linear_loss_parts`' values:
+    ``loss`` with the metrics of the per-token values."""
+    with torch.no_grad():
+        metrics = policy_loss(logp, batch, config, entropy)
+    return metrics._replace(loss=loss)
 
 
 def fused_linear_token_logprobs(
@@ -311,7 +366,7 @@ def fused_linear_grpo_loss(
         advantages, mask, old_logprobs, ref_logprobs: as in :func:`grpo_fast.grpo_loss`.
         bias: [V] LM-head bias, or None.
         chunk_size: token rows per chunk; default: a fixed byte budget for one chunk's
-            logits (256 MiB on CPU, 1 GiB on CUDA), split evenly over B * T.
+            logits (256 MiB on CPU, 1 GiB on CUDA), split evenly over the active tokens.
         fp32_weight_grad: accumulate the weight gradient over chunks in float32 when the
             weight is fp16/bf16 (one [V, H] float32 buffer); False accumulates in its dtype.
         num_items_in_batch, importance_weights, return_entropy, loss_config: as in
@@ -328,21 +383,21 @@ def fused_linear_grpo_loss(
         >>> out.loss.backward()
     """
     config = loss_config
-    _check_linear(hidden, weight, bias, ids, config.temperature, chunk_size)
-    B, T, H = hidden.shape
-    V = weight.shape[0]
     inputs = LossInputs(advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
-    inputs.check(B, T, config)
-    backend = select_backend(hidden)
-    if backend == "reference":
-        logits = _chunk_logits(hidden.reshape(B * T, H), weight, bias).view(B, T, V)
-        return inputs.run_reference(reference.grpo_loss, logits, ids, config=config, return_entropy=return_entropy)
-    batch = PolicyBatch.prepare(config, (B, T), accumulate_dtype(hidden), hidden.device, inputs)
-    wanted = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (hidden, weight, bias))
-    rows = _chunk_rows(B * T, V, hidden.element_size(), hidden.device, chunk_size)
-    loss, logp, *entropy = FusedLinearGRPOFunction.apply(
-        hidden, weight, bias, ids, batch, config, return_entropy, rows, wanted, fp32_weight_grad, backend
-    )
-    with torch.no_grad():
-        metrics = policy_loss(logp, batch, config, entropy[0] if return_entropy else None)
-    return metrics._replace(loss=loss)
+    if select_backend(hidden) != "reference":
+        parts = fused_linear_loss_parts(
+            hidden,
+            weight,
+            bias,
+            ids,
+            inputs,
+            config,
+            return_entropy=return_entropy,
+            chunk_size=chunk_size,
+            fp32_weight_grad=fp32_weight_grad,
+        )
+        return loss_output(*parts, config)
+    _check_call(hidden, weight, bias, ids, inputs, config, chunk_size)
+    B, T, H = hidden.shape
+    logits = _chunk_logits(hidden.reshape(B * T, H), weight, bias).view(B, T, weight.shape[0])
+    return inputs.run_reference(reference.grpo_loss, logits, ids, config=config, return_entropy=return_entropy)

@@ -44,13 +44,14 @@ import numpy as np
 import torch
 
 from grpo_fast import group_advantages
+from grpo_fast.ops._policy import LossInputs
 from grpo_fast.outputs import GroupAdvantages
 from grpo_fast.tasks import DATASET_REWARDS, DEMO_REWARDS, get_reward_function, load_rows
 from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer import distributed, run_log
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.generators import make_generator
-from grpo_fast.trainer.packed_policy import LossInputs, PackedPolicy, filler
+from grpo_fast.trainer.packed_policy import PackedPolicy, filler
 from grpo_fast.trainer.packing import Packed, flash_attention_available, micro_batches, pack, packed_attention
 from grpo_fast.trainer.rollout import (
     Rollout,
@@ -338,11 +339,10 @@ class GRPOTrainer:
         )
         return dataclasses.replace(batch, advantages=GroupAdvantages(*(t.to(self.device) for t in mine)))
 
-    def _loss(self, batch: Rollout, packed: Packed, num_items: torch.Tensor, want_logprobs: bool = False):
+    def _loss(self, batch: Rollout, packed: Packed, num_items: torch.Tensor):
         """``(loss output, log-probs [n, C] detached)`` of one packed micro-batch of ``batch``
-        (``PackedPolicy.forward`` through ``train_module``); the fused LM head returns no
-        log-probs (None) unless ``want_logprobs`` (one more sweep). Only the per-token values
-        travel to the rows' [n, C] completion grid; the logits stay packed."""
+        (``PackedPolicy.forward`` through ``train_module``). Only the per-token values travel
+        to the rows' [n, C] completion grid; the logits stay packed."""
         rows = packed.rows
         present = batch.attention_mask[rows, -batch.completion_mask.shape[1] :].bool()  # [n, C] a token is there
 
@@ -354,9 +354,9 @@ class GRPOTrainer:
             batch.completion_mask[rows],
             on_grid(batch.old_logprobs),
             on_grid(batch.ref_logprobs),
-            num_items,
+            num_items_in_batch=num_items,
         )
-        return self.train_module(packed, inputs, fused_linear=self.config.fused_linear, want_logprobs=want_logprobs)
+        return self.train_module(packed, inputs, fused_linear=self.config.fused_linear)
 
     def accumulate_gradients(self, batch: Rollout, num_items: torch.Tensor, logprobs: list | None = None) -> dict:
         """Backward over ``batch`` in packed micro-batches; the summed gradient is the full
@@ -394,7 +394,7 @@ class GRPOTrainer:
                 weight = aggregation.micro_batch_weight(
                     rows.stop - rows.start, micro_tokens, total_rows, total_tokens, self.loss_config, num_items.item()
                 )
-                out, logp = self._loss(batch, packed, num_items, want_logprobs=logprobs is not None)
+                out, logp = self._loss(batch, packed, num_items)
                 (out.loss * (weight * ranks.world_size)).backward()
             if logprobs is not None:
                 logprobs.append(logp)

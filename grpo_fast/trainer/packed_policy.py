@@ -8,24 +8,14 @@ around its forward only, so the fused LM-head loss, which reads the head's weigh
 must run inside it (anywhere else that weight is one rank's shard).
 """
 
-from typing import NamedTuple
-
 import torch
 
-from grpo_fast import fused_linear_grpo_loss, fused_linear_token_logprobs, policy_loss, token_logprobs
+from grpo_fast import policy_loss, token_logprobs
+from grpo_fast.ops._policy import LossInputs
+from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_parts, loss_output
 from grpo_fast.spec import LossConfig
 from grpo_fast.trainer.packing import Packed, pack, packed_hidden, packed_logits, to_grid
 from grpo_fast.trainer.rollout import autocast
-
-
-class LossInputs(NamedTuple):
-    """The loss's inputs for the rows of one packed micro-batch, on its [n, C] completion grid."""
-
-    advantages: torch.Tensor  # [n] (or [n, C])
-    mask: torch.Tensor  # [n, C] completion mask
-    old_logprobs: torch.Tensor | None  # [n, C], 0 where no token
-    ref_logprobs: torch.Tensor | None  # [n, C], 0 where no token
-    num_items: torch.Tensor  # [] the whole batch's active tokens, over every rank (dapo, cispo)
 
 
 def filler(device: torch.device) -> Packed:
@@ -56,7 +46,6 @@ class PackedPolicy(torch.nn.Module):
         inputs: LossInputs | None = None,
         *,
         fused_linear: bool = False,
-        want_logprobs: bool = False,
     ):
         """Without ``inputs``: the completion tokens' log-probs [n, C] (0 where a row has no
         token), differentiable when gradients are enabled.
@@ -64,13 +53,13 @@ class PackedPolicy(torch.nn.Module):
         With ``inputs``: ``(loss output, log-probs [n, C] detached)``, the loss being
         ``policy_loss`` on the rows' completion grid (what ``grpo_loss`` computes on padded
         logits), or with ``fused_linear`` the loss from the last hidden states and the LM head
-        (``fused_linear_grpo_loss``, never the [Nc, V] logits), which returns no log-probs
-        (None) unless ``want_logprobs`` (one more sweep of the vocabulary).
+        (``fused_linear_grpo_loss``, never the [Nc, V] logits; its log-probs are 0 where the
+        mask is).
         """
         config = self.loss_config
         with autocast(packed.input_ids.device, self.bf16):
             if inputs is not None and fused_linear:
-                return self._fused_linear_loss(packed, inputs, want_logprobs)
+                return self._fused_linear_loss(packed, inputs)
             logits = packed_logits(self.policy, packed)  # [1, Nc, V]
         if inputs is None:
             return to_grid(token_logprobs(logits, packed.targets, temperature=config.temperature), packed)
@@ -82,29 +71,17 @@ class PackedPolicy(torch.nn.Module):
             inputs.mask,
             inputs.old_logprobs,
             inputs.ref_logprobs,
-            num_items_in_batch=inputs.num_items,
+            num_items_in_batch=inputs.num_items_in_batch,
             entropy=entropy,
             loss_config=config,
         )
         return out, logp.detach()
 
-    def _fused_linear_loss(self, packed: Packed, inputs: LossInputs, want_logprobs: bool):
+    def _fused_linear_loss(self, packed: Packed, inputs: LossInputs):
         config, head = self.loss_config, self.policy.get_output_embeddings()
         hidden = to_grid(packed_hidden(self.policy, packed), packed)  # [n, C, H]
         ids = to_grid(packed.targets, packed)
-        out = fused_linear_grpo_loss(
-            hidden,
-            head.weight,
-            ids,
-            *inputs[:4],
-            bias=head.bias,
-            num_items_in_batch=inputs.num_items,
-            return_entropy=True,
-            loss_config=config,
+        loss, logp, entropy, batch = fused_linear_loss_parts(
+            hidden, head.weight, head.bias, ids, inputs, config, return_entropy=True
         )
-        if not want_logprobs:
-            return out, None
-        logp = fused_linear_token_logprobs(
-            hidden.detach(), head.weight.detach(), ids, bias=head.bias, temperature=config.temperature
-        )
-        return out, logp
+        return loss_output(loss, logp, entropy, batch, config), logp
