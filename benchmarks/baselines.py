@@ -23,8 +23,8 @@ import grpo_fast
 from grpo_fast import reference
 
 BETA, EPS = 0.04, 0.2
-LOSS_IMPLS = ("fused", "fused_inplace", "plain", "trl", "compiled", "reference", "liger")
-LOGPROB_IMPLS = ("fused", "plain", "trl", "compiled", "reference")
+LOSS_IMPLS = ("plain", "fused", "fused_inplace", "trl", "compiled", "reference", "liger")
+LOGPROB_IMPLS = ("plain", "fused", "trl", "compiled", "reference")
 
 
 def make_batch(B: int, T: int, V: int, dtype: torch.dtype, device="cpu", seed: int = 0) -> dict:
@@ -95,13 +95,17 @@ def liger_loss_fn():
     return triton_grpo_loss
 
 
-def loss_step(impl: str, batch: dict):
+def loss_step(impl: str, batch: dict, **options):
     """A closure doing one loss forward + backward (gradient of the logits, as an LM head
-    receives it: no ``.grad`` accumulation), or None when ``impl`` is unavailable here."""
+    receives it: no ``.grad`` accumulation), or None when ``impl`` is unavailable here.
+    ``options``: more ``grpo_loss`` keywords (e.g. ``importance_sampling="sequence"``), for
+    grpo_fast's implementations only."""
     logits, args = batch["logits"], (batch["ids"], batch["advantages"], batch["mask"], batch["old"], batch["ref"])
+    if options and impl not in ("fused", "fused_inplace", "reference"):
+        raise ValueError(f"options {sorted(options)} are grpo_loss keywords: impl {impl!r} takes none")
     if impl in ("fused", "fused_inplace", "reference"):
         fn = reference.grpo_loss if impl == "reference" else grpo_fast.grpo_loss
-        extra = dict(inplace_backward=True) if impl == "fused_inplace" else {}
+        extra = dict(options, inplace_backward=True) if impl == "fused_inplace" else options
 
         def loss(x):
             return fn(x, *args, beta=BETA, eps_low=EPS, **extra).loss

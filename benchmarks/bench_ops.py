@@ -22,6 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baselines  # noqa: E402
 from common import machine_info, peak_rss_growth, print_table, quantiles, run_isolated  # noqa: E402
 
 # (name, B, T, V, dtype): 4096 tokens at a Llama-2-sized vocabulary, and Qwen's vocabulary.
@@ -32,8 +33,8 @@ CASES = [
     ("logprobs_nograd_bf16_32k", 8, 512, 32768, "bfloat16"),
 ]
 QUICK_CASES = [(name, 2, 16, 1000, dtype) for name, _, _, _, dtype in CASES]
-LOSS_IMPLS = ("plain", "fused", "fused_inplace", "trl", "compiled", "reference")
-LOGPROB_IMPLS = ("plain", "fused", "trl", "compiled", "reference")
+LOSS_IMPLS = tuple(impl for impl in baselines.LOSS_IMPLS if impl != "liger")  # Liger's kernels need a GPU
+LOGPROB_IMPLS = baselines.LOGPROB_IMPLS
 
 
 def worker(config: dict) -> dict:
@@ -42,23 +43,18 @@ def worker(config: dict) -> dict:
     warm-up call of each, ``repeats`` rounds that time one call of each in turn, so that a
     change in the machine's load falls on all of them alike."""
     import torch
-    from baselines import logprobs_step, loss_step, make_batch
 
     if config["threads"]:
         torch.set_num_threads(config["threads"])
-    batch = make_batch(config["B"], config["T"], config["V"], getattr(torch, config["dtype"]))
-    build = logprobs_step if config["name"].startswith("logprobs") else loss_step
-    pristine = batch["logits"].clone()
-
-    def restore():  # after fused_inplace the logits hold its gradient: put them back, untimed
-        batch["logits"].copy_(pristine)
-
-    if config["mode"] == "memory":
+    batch = baselines.make_batch(config["B"], config["T"], config["V"], getattr(torch, config["dtype"]))
+    build = baselines.logprobs_step if config["name"].startswith("logprobs") else baselines.loss_step
+    if config["mode"] == "memory":  # one call (after compiling): nothing needs the logits after it
         step = build(config["impl"], batch)
         if config["impl"] == "compiled":
             step()  # compile first: the peak is the compiled code's, not the compiler's
-            restore()
         return {"peak_bytes": peak_rss_growth(step)}
+    # fused_inplace writes its gradient into the logits: the others must see the original ones
+    pristine = batch["logits"].clone() if "fused_inplace" in config["impls"] else None
     steps = {impl: build(impl, batch) for impl in config["impls"]}
     samples = {impl: [] for impl in steps}
     for round_ in range(1 + config["repeats"]):  # round 0 warms up (and compiles)
@@ -67,7 +63,8 @@ def worker(config: dict) -> dict:
             step()
             if round_:
                 samples[impl].append(time.perf_counter() - start)
-            restore()
+            if impl == "fused_inplace":
+                batch["logits"].copy_(pristine)  # untimed
     return {impl: quantiles(s) for impl, s in samples.items()}
 
 

@@ -317,26 +317,6 @@ def timed_row(op, impl, step, floor_bytes, bandwidth, **shape):
     )
 
 
-def gspo_step(batch):
-    """Ours with sequence-level ratios (GSPO): the two-pass path (log-prob kernels + torch)."""
-
-    def run():
-        x = batch["logits"].detach().requires_grad_()
-        out = grpo_fast.grpo_loss(
-            x,
-            batch["ids"],
-            batch["advantages"],
-            batch["mask"],
-            batch["old"],
-            batch["ref"],
-            beta=BETA,
-            importance_sampling="sequence",
-        )
-        torch.autograd.grad(out.loss, x)
-
-    return run
-
-
 # (op, implementation) in the order they are timed, every shape before the next pair: ours and
 # the baseline first, so that a stage cut by its budget still holds the ratios that matter;
 # torch.compile (tens of seconds of compiling per shape) and the slow reference last; the
@@ -369,8 +349,8 @@ def stage_time():
     batches = {(B, T, V): make_batch(B, T, V, torch.bfloat16, DEVICE) for B, T, V in TIME_SHAPES}
     for op, impl in TIME_ORDER:
         for (B, T, V), batch in batches.items():
-            if impl == "fused GSPO (two-pass)":
-                step = gspo_step(batch)
+            if impl == "fused GSPO (two-pass)":  # the log-prob kernels + torch
+                step = loss_step("fused", batch, importance_sampling="sequence")
             else:
                 step = (loss_step if op == "loss fwd+bwd" else logprobs_step)(impl, batch)
             floor = B * T * V * (4 if op == "loss fwd+bwd" else 2)
@@ -474,7 +454,9 @@ def stage_sweep():
                         entropy=entropy, programs=programs or N, **{k: v for k, v in launch.items() if k != "programs"}
                     )
                     report.add("loss", row)
-        lse = torch.empty(B, T, device=DEVICE)
+        # The backward's inputs do not depend on the block size: one gradient buffer, one forward.
+        out = torch.empty_like(batch["logits"])
+        lse = logprobs_fwd(batch["logits"], batch["ids"], 1.0, False)[1]
         for block in (1024, 2048, 4096, 8192, 16384):
             for entropy in (False, True):
                 fwd = lambda: logprobs_fwd(batch["logits"], batch["ids"], 1.0, entropy, block_v=block)  # noqa: E731
@@ -486,14 +468,12 @@ def stage_sweep():
                         entropy=entropy,
                     ),
                 )
-            out = torch.empty_like(batch["logits"])
-            lse.copy_(logprobs_fwd(batch["logits"], batch["ids"], 1.0, False)[1])
             bwd = lambda: logprobs_bwd(batch["logits"], batch["ids"], lse, lse, 1.0, out, block_v=block)  # noqa: E731
             report.add(
                 "logprobs_bwd",
                 dict(timed_row("log-probs bwd", "fused", bwd, N * V * 4, bandwidth, N=N, V=V), block_v=block),
             )
-        batch = None  # the next shape's logits need the memory
+        batch = out = None  # the next shape's logits need the memory
     for section in ("loss", "logprobs_fwd", "logprobs_bwd"):
         rows = [r for r in report.data.get(section, []) if "median_ms" in r]
         for V in sorted({r["V"] for r in rows}):
