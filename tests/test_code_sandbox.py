@@ -273,6 +273,23 @@ def test_malformed_tests_raise_naming_the_sample():
         code_reward(["p"], ["x = 1"], tests=[{"asserts": ["assert True"], "entry_point": "f"}], entry_point=["g"])
 
 
+def test_a_group_shares_one_prepared_tests_object(monkeypatch):
+    """The rollout repeats a row's tests object for its G samples: it is parsed once, and a
+    sample with its own (equal) object, or another entry point, gets its own."""
+    from grpo_fast.rewards import code
+
+    prepared = []
+    normalize = code.normalize_tests
+    monkeypatch.setattr(code, "normalize_tests", lambda *args: prepared.append(args) or normalize(*args))
+    # every test passes: a job (program, spec, case) returns how many
+    monkeypatch.setattr(code, "_run_job", lambda job, limits, require_isolation: code._test_count(job[1]))
+    shared = ["assert f() == 1", "assert f() != 2"]
+    tests = [shared] * 3 + [list(shared), shared]
+    scores = code_reward(["p"] * 5, ["x = 1"] * 5, tests=tests, entry_point=[None] * 4 + ["f"])
+    assert scores == [1.0] * 5
+    assert [args[1] for args in prepared] == [None, None, "f"]
+
+
 def test_broken_trusted_tests_raise_rather_than_score_zero():
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         score("def f():\n    return 1\n", {"asserts": ["assert f() == 1"], "setup": "1 / 0"})

@@ -263,12 +263,16 @@ def code_reward(
     n = check_batch(prompts, completions, {"tests": tests, **optional, **columns})
     limits = limits or SandboxLimits()
     entry_points, setups = entry_point or [None] * n, setup or [None] * n
-    specs = []
+    specs, prepared = [], {}
     for i, t in enumerate(tests):
-        try:
-            specs.append(normalize_tests(t, entry_points[i], setups[i]))
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"tests[{i}]: {exc}") from exc
+        # A group's samples share one tests object (the rollout repeats the row): parse it once.
+        key = (id(t), entry_points[i], setups[i])
+        if key not in prepared:
+            try:
+                prepared[key] = normalize_tests(t, entry_points[i], setups[i])
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"tests[{i}]: {exc}") from exc
+        specs.append(prepared[key])
     jobs, owners = [], []
     for i, spec in enumerate(specs):
         if spec is None:
