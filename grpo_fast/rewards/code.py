@@ -63,7 +63,7 @@ def normalize_tests(tests, entry_point: str | None = None, setup: str | None = N
             return None
         if stripped[0] in "[{":
             tests = json.loads(stripped)
-        elif entry_point is not None or "check" in _top_level_functions(tests, "tests"):
+        elif entry_point is not None or "check" in _top_level_functions(_parse(tests, "tests")):
             tests = {"test": tests}
         else:
             tests = [tests]
@@ -93,14 +93,13 @@ def normalize_tests(tests, entry_point: str | None = None, setup: str | None = N
     if not tests:
         return None
     if all(isinstance(t, str) for t in tests):
-        for j, statement in enumerate(tests):
-            _parse(statement, f"assert statement {j}")
+        trees = [_parse(statement, f"assert statement {j}") for j, statement in enumerate(tests)]
         spec = {
             "kind": "asserts",
             "asserts": list(tests),
             "setup": _checked_setup(setup),
             "entry_point": _checked_entry_point(entry_point, required=False),
-            "names": _names_read(tests),
+            "names": _names_read(trees),
         }
         if spec["entry_point"] is not None:
             _check_names(spec, "\n".join(tests), "the assert statements")
@@ -130,8 +129,8 @@ def _parse(source, what: str) -> ast.Module:
         raise ValueError(f"{what} is not valid Python: {exc}") from None
 
 
-def _top_level_functions(source: str, what: str) -> set[str]:
-    return {node.name for node in _parse(source, what).body if isinstance(node, ast.FunctionDef)}
+def _top_level_functions(tree: ast.Module) -> set[str]:
+    return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
 
 
 def _checked_setup(setup) -> str:
@@ -153,26 +152,27 @@ def _checked_entry_point(entry_point, required: bool) -> str | None:
 
 
 def _check_spec(test, entry_point, setup) -> dict:
-    if "check" not in _top_level_functions(test, "the HumanEval test source"):
+    tree = _parse(test, "the HumanEval test source")
+    if "check" not in _top_level_functions(tree):
         raise ValueError("the HumanEval test source must define check(candidate)")
     spec = {
         "kind": "check",
         "test": test,
         "setup": _checked_setup(setup),
         "entry_point": _checked_entry_point(entry_point, required=True),
-        "names": _names_read([test]),
+        "names": _names_read([tree]),
     }
     _check_names(spec, test, "check()")
     return spec
 
 
-def _names_read(sources: list[str]) -> list[str]:
-    """Every name the sources read (a superset of their free names): what the judge may need to bind."""
+def _names_read(trees: list[ast.Module]) -> list[str]:
+    """Every name the parsed sources read (a superset of their free names): what the judge may need to bind."""
     return sorted(
         {
             node.id
-            for source in sources
-            for node in ast.walk(ast.parse(source))
+            for tree in trees
+            for node in ast.walk(tree)
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
         }
     )
@@ -181,13 +181,9 @@ def _names_read(sources: list[str]) -> list[str]:
 def _check_names(spec: dict, source: str, what: str) -> None:
     """With an entry point the program supplies nothing else: every other global the tests read must exist."""
     defined = set(vars(builtins)) | JUDGE_MODULES | {spec["entry_point"]}
-    for text in (spec["setup"], source):
-        defined |= {
-            s.get_name()
-            for s in symtable.symtable(text, "<tests>", "exec").get_symbols()
-            if s.is_assigned() or s.is_imported() or s.is_namespace()
-        }
     top = symtable.symtable(source, "<tests>", "exec")
+    for table in (symtable.symtable(spec["setup"], "<tests>", "exec"), top):
+        defined |= {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
     used, tables = set(), [top]
     while tables:
         table = tables.pop()
