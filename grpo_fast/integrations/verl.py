@@ -51,7 +51,7 @@ from verl.workers.config import ActorConfig
 
 from grpo_fast.ops._policy import PolicyBatch, loss_terms
 from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_grpo_loss, fused_linear_token_logprobs
-from grpo_fast.spec import LossConfig, clipped_term
+from grpo_fast.spec import IMPORTANCE_LEVELS, LossConfig, clipped_term
 
 LOG_RATIO_BOUND = 20.0  # verl clamps log(pi / pi_old) to [-20, 20] (vanilla, cispo, sapo)
 SEQUENCE_LOG_RATIO_CAP = 10.0  # verl's gspo caps the sequence log-ratio at 10
@@ -148,7 +148,7 @@ def policy_loss_gspo(
     """verl's ``gspo`` (sequence-level ratio, PPO clip) by grpo_fast's sequence-level ratios."""
     m = response_mask.to(log_prob.dtype)
     with torch.no_grad():
-        seq_log_ratio = ((log_prob - old_log_prob) * m).sum(-1) / m.sum(-1).clamp(min=1)
+        seq_log_ratio = IMPORTANCE_LEVELS["sequence"](log_prob - old_log_prob, m)  # [B, 1]
         row_weights = rollout_is_weights is not None and bool(
             ((rollout_is_weights - rollout_is_weights[:, :1]).abs() * m).sum() > 0
         )
