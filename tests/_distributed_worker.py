@@ -69,10 +69,7 @@ def fixed_batch(trainer: GRPOTrainer):
     """A rollout of the trainer (world size 1) with reference log-probs and old log-probs
     0.3-normal noise away from the policy's, so that ratios leave the trust region."""
     batch = trainer.make_rollout()
-    C = batch.completion_mask.shape[1]
-    from grpo_fast.trainer.rollout import completion_logprobs
-
-    old = completion_logprobs(trainer.policy, batch.input_ids, batch.attention_mask, C)
+    old = trainer.packed_logprobs(trainer.packed_policy, batch)
     noise = 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=old.dtype)
     return dataclasses.replace(batch, old_logprobs=(old + noise) * batch.completion_mask)
 

@@ -11,14 +11,14 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import completion_logits, completion_logprobs, rel_err
 
 from grpo_fast import grpo_loss
 from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer.packing import flash_attention_available, micro_batches, pack, packed_logits, to_grid
-from grpo_fast.trainer.rollout import completion_logits, completion_logprobs, reference_context
+from grpo_fast.trainer.rollout import reference_context
 
 CASES = [dict(loss_type=name) for name in LOSS_TYPES] + [dict(loss_type="grpo", importance_sampling="sequence")]
 

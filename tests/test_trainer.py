@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import completion_logits, completion_logprobs, rel_err
 
 import grpo_fast
 from grpo_fast import reference
@@ -21,7 +21,7 @@ from grpo_fast.tasks.arithmetic import arithmetic_reward, build_model, build_tok
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer, RewardError
 from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer.generators.hf import HFGenerator
-from grpo_fast.trainer.rollout import completion_logits, completion_logprobs, score
+from grpo_fast.trainer.rollout import score
 from grpo_fast.trainer.run_log import METRIC_KEYS, TIMING_KEYS, read_metrics
 
 SMALL = dict(batch_size=16, group_size=4, max_new_tokens=3, progress=False)

@@ -4,10 +4,9 @@ Shared by the GRPO trainer and the PPO baseline: both sample with a generation e
 (``grpo_fast/trainer/generators/``), score with :func:`score`, keep only the groups that
 carry a signal when sampling dynamically (:func:`groups_with_signal`, :func:`select_groups`,
 :func:`concat_rollouts`). The trainer computes per-token log-probs of completions on packed
-sequences (``packed_policy.py``); callers that hold padded batches use
-:func:`completion_logits` + ``grpo_fast.token_logprobs``. Logits are computed only for the
-completion positions, never for the prompt. The advantages are the
-trainer's next step (``GRPOTrainer.compute_advantages``).
+sequences (``packed_policy.py``), the LM head only at completion positions; PPO's critic
+reads the padded batch's completion hidden states (:func:`completion_hidden`). The
+advantages are the trainer's next step (``GRPOTrainer.compute_advantages``).
 
 Sequence layout, N = num_prompts * G rows (see :class:`~grpo_fast.trainer.generators.Generation`):
 
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast import group_advantages, token_logprobs
+from grpo_fast import group_advantages
 from grpo_fast.outputs import GroupAdvantages
 
 
@@ -97,50 +96,18 @@ def _first_failing_sample(func: Callable, prompts: list, completions: list, colu
     return None
 
 
-def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
-    """Logits that predict the completion tokens: [N, C, V].
-
-    ``logits_to_keep`` makes the LM head run on those C positions only; position ids follow
-    the attention mask so left padding does not shift the prompt.
-    """
-    L, C = input_ids.shape[1], num_completion_tokens
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    # Index positions L-C-1 .. L-2 (each predicts the next token): contiguous [N, C, V] logits.
-    keep = torch.arange(L - C - 1, L - 1, device=input_ids.device)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=keep)
-    return out.logits
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that follow the attention mask [N, L], so that left padding does not shift
+    the prompt (a padded slot gets 0)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
     """Last hidden states (after the final norm) that predict the completion tokens: [N, C, H]."""
     C = num_completion_tokens
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     decoder = model.get_decoder()
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
     return out.last_hidden_state[:, -C - 1 : -1]
-
-
-@torch.no_grad()
-def completion_logprobs(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    num_completion_tokens: int,
-    *,
-    temperature: float = 1.0,
-    micro_batch_size: int | None = None,
-    bf16: bool = False,
-) -> torch.Tensor:
-    """Per-token log-probs of the completion tokens under ``model``: [N, C] float32, no grad."""
-    N, C = input_ids.shape[0], num_completion_tokens
-    step = micro_batch_size or N
-    out = []
-    with autocast(input_ids.device, bf16):
-        for i in range(0, N, step):
-            ids, mask = input_ids[i : i + step], attention_mask[i : i + step]
-            logits = completion_logits(model, ids, mask, C)
-            out.append(token_logprobs(logits, ids[:, -C:], temperature=temperature))
-    return torch.cat(out)
 
 
 def reference_context(policy, reference):

@@ -23,7 +23,7 @@ import torch
 
 from grpo_fast.trainer.generators import Generation, assemble, encode_prompts, evaluating
 from grpo_fast.trainer.generators.sampling import sample_streams, sample_tokens, stream_uniforms
-from grpo_fast.trainer.rollout import autocast
+from grpo_fast.trainer.rollout import autocast, position_ids
 
 # With compile_generation, prompt widths are rounded up to a multiple of this, so that
 # batches of slightly different prompt lengths reuse one cache and one compiled graph.
@@ -91,7 +91,7 @@ class Sampler:
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            position_ids=position_ids(mask),
             use_cache=True,
             logits_to_keep=1,
             **{self.cache_argument: prefix},
