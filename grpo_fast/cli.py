@@ -140,8 +140,9 @@ def main(argv=None) -> int:
             return memory.main(args.options, prog=f"{parser.prog} bench {args.benchmark}")
         return train(args)
     except (ValueError, FileNotFoundError, CheckpointError, RewardError) as exc:
-        rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-        print(f"grpo-fast: error{rank}: {exc}", file=sys.stderr)
+        rank = os.environ.get("RANK")  # set by torchrun
+        where = f" (rank {rank})" if rank is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+        print(f"grpo-fast: error{where}: {exc}", file=sys.stderr)
         return 2
 
 
