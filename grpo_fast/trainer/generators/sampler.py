@@ -147,9 +147,10 @@ class Sampler:
                 tokens[rows, t], logprobs[rows, t] = token, logp
                 steps = t + 1
                 live = live & (token != eos)
-                if t == T - 1 or not live.any():
+                n_live = int(live.sum())  # one host sync a step
+                if t == T - 1 or n_live == 0:
                     break
-                if not self.config.compile_generation and not live.all():  # finished rows leave the batch
+                if not self.config.compile_generation and n_live < len(live):  # finished rows leave the batch
                     keep = live.nonzero().squeeze(1)
                     cache.reorder_cache(keep)
                     rows, streams, positions, mask, token, live = (
