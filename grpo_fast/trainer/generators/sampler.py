@@ -63,8 +63,8 @@ class Sampler:
         self._compiled, self._cache, self._cache_shape = None, None, None
 
     def _forward(self, **inputs):
-        """The model's forward; with compile_generation, the compiled one for single-token steps."""
-        if self.config.compile_generation and inputs["input_ids"].shape[1] == 1:
+        """The model's forward for one decode step; with compile_generation, the compiled one."""
+        if self.config.compile_generation:
             if self._compiled is None:
                 self._compiled = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
             return self._compiled(**inputs)
