@@ -33,21 +33,6 @@ IMPLEMENTATIONS = ("trl", "trl_liger", "grpo_fast")
 PHASES = ("update", "logprobs")
 
 
-def steady_peak_growth(fn) -> int:
-    """Bytes by which the resident set peaks above its level before ``fn`` (CPU): the kernel's
-    high-water mark VmHWM is reset first (``/proc/self/clear_refs``), so earlier peaks do not hide it."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-    def status(key):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-    before = status("VmRSS:")
-    fn()
-    return max(0, status("VmHWM:") - before)
-
-
 def build(config: dict):
     """(trainer, the generated batch) of one implementation."""
     import torch
@@ -109,7 +94,7 @@ def build(config: dict):
 def worker(config: dict) -> dict:
     import torch
 
-    from grpo_fast.bench.measure import cuda_peak_extra_bytes, quantiles, time_fn
+    from grpo_fast.bench.measure import cuda_peak_extra_bytes, peak_rss_growth, quantiles
 
     trainer, batch = build(config)
     model, cuda = trainer.model, config["device"] == "cuda"
@@ -136,12 +121,14 @@ def worker(config: dict) -> dict:
 
     synced()  # warm-up: AdamW's state, the gradients, kernels compiled
     start = time.perf_counter()
-    peak = cuda_peak_extra_bytes(synced, "cuda") if cuda else steady_peak_growth(synced)
-    first = time.perf_counter() - start  # the peak's call is the first timed one
-    stats = quantiles(
-        [first] + [time_fn(synced, warmup=0, repeats=1)["median_s"] for _ in range(config["repeats"] - 1)]
-    )
-    return {**stats, "peak_bytes": peak, "completion_tokens": completion_tokens}
+    # reset the high-water mark first: the warm-up call's peak must not hide the measured one's
+    peak = cuda_peak_extra_bytes(synced, "cuda") if cuda else peak_rss_growth(synced, reset=True)
+    samples = [time.perf_counter() - start]  # the peak's call is the first timed one
+    for _ in range(config["repeats"] - 1):
+        start = time.perf_counter()
+        synced()
+        samples.append(time.perf_counter() - start)
+    return {**quantiles(samples), "peak_bytes": peak, "completion_tokens": completion_tokens}
 
 
 def main():

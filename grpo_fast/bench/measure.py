@@ -45,11 +45,20 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def peak_rss_growth(fn) -> int:
-    """Bytes by which the process's peak RSS rises above its current RSS while ``fn`` runs."""
+def peak_rss_growth(fn, reset: bool = False) -> int:
+    """Bytes by which the process's peak RSS rises above its current RSS while ``fn`` runs.
+    ``reset`` first resets the kernel's high-water mark (``/proc/self/clear_refs``; VmHWM), so
+    that an earlier, higher peak (a warm-up call) does not hide this call's."""
+    if reset:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
     before = current_rss_bytes()
     fn()
-    return max(0, peak_rss_bytes() - before)
+    if not reset:
+        return max(0, peak_rss_bytes() - before)
+    with open("/proc/self/status") as f:
+        high_water = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return max(0, high_water - before)
 
 
 def cuda_peak_extra_bytes(fn, device: str):
