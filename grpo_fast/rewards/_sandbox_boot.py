@@ -25,6 +25,7 @@ Only the standard library is used: this module runs before anything else is impo
 
 import atexit
 import ctypes
+import errno
 import json
 import os
 import re
@@ -33,6 +34,7 @@ import signal
 import struct
 import sys
 import time
+from contextlib import contextmanager
 
 import _code_harness
 
@@ -197,6 +199,37 @@ def _check(ret: int, what: str) -> int:
     return ret
 
 
+def _describe(exc: BaseException) -> str:
+    """An exception as one line that names its errno, e.g. "PermissionError: [Errno 1 EPERM] ..."."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        where = f" ({exc.filename})" if exc.filename is not None else ""
+        return f"{type(exc).__name__}: [Errno {exc.errno} {errno.errorcode.get(exc.errno, '?')}] {exc.strerror}{where}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class SetupError(Exception):
+    """A stage of the sandbox's set-up failed, before the program ran: the message names the stage and the errno.
+
+    namespaces: the namespaces were made but cannot be used here (their id maps or mounts were
+    refused: a kernel or AppArmor policy); the caller then runs the fallback instead.
+    """
+
+    def __init__(self, message: str, namespaces: bool = False):
+        super().__init__(message)
+        self.namespaces = namespaces
+
+
+@contextmanager
+def _stage(name: str, namespaces: bool = False):
+    """Turns any failure inside into a SetupError naming this stage."""
+    try:
+        yield
+    except SetupError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - whatever failed, the caller must learn where
+        raise SetupError(f"{name}: {_describe(exc)}", namespaces) from exc
+
+
 def _mount(source, target: str, fstype, flags: int, data=None) -> None:
     enc = lambda s: s.encode() if s is not None else None  # noqa: E731
     _check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
@@ -227,38 +260,47 @@ def _report(status: dict) -> None:
 
 
 def _enter_namespaces(cfg: dict) -> tuple[str, str | None]:
-    """Returns "root" or "user" (the namespaces made), or "none" and why none could be."""
-    if cfg["no_namespaces"]:
-        return "none", "namespaces turned off by GRPO_FAST_SANDBOX_NO_NAMESPACES"
+    """Returns "root" or "user" (the namespaces made), or "none" and why none could be.
+
+    Raises SetupError(namespaces=True) where a user namespace was made but cannot be used (its
+    id maps refused): this process is then in it for good, and the caller runs the fallback instead.
+    """
+    if cfg["namespaces_refused"] is not None:
+        return "none", cfg["namespaces_refused"]
     errors = []
-    if os.geteuid() == 0:
+    # The caller's ids, read before the unshare: inside a new user namespace they read as the
+    # overflow id (65534) until the maps are written, and only the nobody account may map that.
+    uid, gid = os.geteuid(), os.getegid()
+    if uid == 0:
         try:
             _check(libc.unshare(SANDBOX_NAMESPACES), "unshare")
             return "root", None
         except OSError as exc:
-            errors.append(f"as root: {exc}")
+            errors.append(f"as root: {_describe(exc)}")
     try:
         # One call, so that a kernel that refuses any of them leaves this process unchanged.
         _check(libc.unshare(CLONE_NEWUSER | SANDBOX_NAMESPACES), "unshare with a user namespace")
     except OSError as exc:
-        errors.append(str(exc))
+        errors.append(_describe(exc))
         return "none", "; ".join(errors)
     # One uid and gid exist inside: the sandbox uid as root (which keeps groups usable, so
     # the child can drop its own), else the caller's own (which requires setgroups "deny").
-    uid, gid = (cfg["uid"], cfg["uid"]) if cfg["uid"] is not None else (os.geteuid(), os.getegid())
-    if cfg["uid"] is None:
-        with open("/proc/self/setgroups", "w") as f:
-            f.write("deny")
-    for name, ident in (("uid_map", uid), ("gid_map", gid)):
-        with open(f"/proc/self/{name}", "w") as f:
-            f.write(f"{ident} {ident} 1")
+    if cfg["uid"] is not None:
+        uid = gid = cfg["uid"]
+    with _stage("user namespace: id maps", namespaces=True):
+        if cfg["uid"] is None:
+            with open("/proc/self/setgroups", "w") as f:
+                f.write("deny")
+        for name, ident in (("uid_map", uid), ("gid_map", gid)):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(f"{ident} {ident} 1")
     return "user", None
 
 
 # ---------------------------------------------------------------- the child (inside the sandbox)
 
 
-def _build_root(cfg: dict, uid: int) -> None:
+def _build_root(cfg: dict, uid: int, gid: int) -> None:
     """A private mount namespace whose root is a read-only tree of what programs need, /tmp a tmpfs."""
     _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
@@ -320,7 +362,7 @@ def _build_root(cfg: dict, uid: int) -> None:
         "/tmp",
         "tmpfs",
         MS_NOSUID | MS_NODEV,
-        f"size={cfg['limits']['scratch_bytes']},mode=0700,uid={uid},gid={uid}",
+        f"size={cfg['limits']['scratch_bytes']},mode=0700,uid={uid},gid={gid}",
     )
     for path in ("/var/tmp", "/dev/shm"):  # one size cap for every writable directory
         _mount("/tmp", path, None, MS_BIND)
@@ -359,10 +401,16 @@ def _drop_privileges() -> None:
     """Every capability (inside a user namespace a uid change alone does not clear them), the
     caller's keyring, any gain from setuid binaries; and the child dies with this bootstrap."""
     # A new, empty session keyring: the one inherited from the caller may hold its keys.
-    _check(
-        libc.syscall(SYSCALLS[os.uname().machine]["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None),
-        "keyctl(JOIN_SESSION_KEYRING)",
-    )
+    # Where keyctl itself is refused (a container's seccomp profile, such as Docker's
+    # default, denies it), the program inherits that refusal and cannot reach any keyring.
+    try:
+        _check(
+            libc.syscall(SYSCALLS[os.uname().machine]["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None),
+            "keyctl(JOIN_SESSION_KEYRING)",
+        )
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOSYS):
+            raise
     header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
     _check(libc.capset(ctypes.byref(header), data), "capset")
     _check(libc.capget(ctypes.byref(header), data), "capget")
@@ -428,46 +476,11 @@ def _landlock_ruleset(cfg: dict, scratch: str, abi: int) -> int:
 def _child(cfg: dict, isolation: str, scratch: str | None, setup_pipe: int, channel) -> None:
     """The forked child: set up the sandbox, then run the program. Never returns."""
     try:
-        if cfg["cgroup"] is not None:
-            with open(os.path.join(cfg["cgroup"], "cgroup.procs"), "w") as f:
-                f.write("0")  # this process, before it can start any other
-        stdin = os.memfd_create("stdin")
-        os.write(stdin, cfg["stdin"].encode())
-        os.lseek(stdin, 0, os.SEEK_SET)
-        for fd, target in ((stdin, 0), (cfg["stdout_fd"], 1), (cfg["stderr_fd"], 2)):
-            os.dup2(fd, target)  # replaces the configuration and status pipes of this process
-            os.close(fd)
-        uid = cfg["uid"] if cfg["uid"] is not None else os.geteuid()
-        # The mounts need root's capabilities as root (a uid change drops them), and the
-        # namespace's own uid inside a user namespace (files made by an unmapped uid fail).
-        if isolation == "root":
-            _build_root(cfg, uid)
-        if isolation == "landlock":  # opened with the caller's rights: the sandbox uid may not reach them all
-            ruleset = _landlock_ruleset(cfg, scratch, _landlock_abi())
-        _switch_uid(cfg)
-        if isolation == "user":
-            _build_root(cfg, uid)
-        if scratch is not None:
-            os.chdir(scratch)
-        _drop_privileges()
-        for name, text in cfg["files"].items():
-            with open(name, "w") as f:
-                f.write(text)
-        _set_limits(cfg["limits"], cfg["process_memory_bytes"])
-        if isolation == "landlock":
-            _check(libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
-            os.close(ruleset)
-        if isolation in ("landlock", "none"):
-            _install_seccomp()
-        os.environ.clear()
-        os.environ.update(SANDBOX_ENV, HOME=os.getcwd())
-        sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", errors="surrogateescape", closefd=False)
-        sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False)
-        sys.stderr = sys.__stderr__ = open(
-            2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1
-        )
+        _set_up_child(cfg, isolation, scratch)
     except BaseException as exc:  # noqa: BLE001 - any failure must reach the parent
-        os.write(setup_pipe, f"{type(exc).__name__}: {exc}".encode()[:4000])
+        if not isinstance(exc, SetupError):
+            exc = SetupError(f"sandbox set-up: {_describe(exc)}")
+        os.write(setup_pipe, json.dumps({"error": str(exc)[:4000], "namespaces": exc.namespaces}).encode())
         os._exit(SETUP_FAILED)
     os.close(setup_pipe)  # set up: from here on, whatever happens is the program's doing
     main_module = type(sys)("__main__")
@@ -487,6 +500,62 @@ def _child(cfg: dict, isolation: str, scratch: str | None, setup_pipe: int, chan
         sys.excepthook(*sys.exc_info())
         code = 1
     _exit(code or 0)
+
+
+def _set_up_child(cfg: dict, isolation: str, scratch: str | None) -> None:
+    """Everything between the fork and the program, each stage named for the error it may raise."""
+    with _stage("new session"):
+        # A session and process group of its own: kill(0, ...) and killpg(getpgrp(), ...)
+        # then reach only the sandbox, never this bootstrap (which, in a user namespace, runs
+        # under the same uid and so may be signalled by it otherwise).
+        os.setsid()
+    if cfg["cgroup"] is not None:
+        with _stage("cgroup"), open(os.path.join(cfg["cgroup"], "cgroup.procs"), "w") as f:
+            f.write("0")  # this process, before it can start any other
+    with _stage("standard streams"):
+        stdin = os.memfd_create("stdin")
+        os.write(stdin, cfg["stdin"].encode())
+        os.lseek(stdin, 0, os.SEEK_SET)
+        for fd, target in ((stdin, 0), (cfg["stdout_fd"], 1), (cfg["stderr_fd"], 2)):
+            os.dup2(fd, target)  # replaces the configuration and status pipes of this process
+            os.close(fd)
+    uid = cfg["uid"] if cfg["uid"] is not None else os.geteuid()
+    gid = cfg["uid"] if cfg["uid"] is not None else os.getegid()
+    # The mounts need root's capabilities as root (a uid change drops them), and the
+    # namespace's own uid inside a user namespace (files made by an unmapped uid fail).
+    if isolation == "root":
+        with _stage("private root (mount namespace)", namespaces=True):
+            _build_root(cfg, uid, gid)
+    if isolation == "landlock":  # opened with the caller's rights: the sandbox uid may not reach them all
+        with _stage("landlock rules"):
+            ruleset = _landlock_ruleset(cfg, scratch, _landlock_abi())
+    with _stage("switch to the sandbox uid"):
+        _switch_uid(cfg)
+    if isolation == "user":
+        with _stage("private root (mount namespace)", namespaces=True):
+            _build_root(cfg, uid, gid)
+    with _stage("drop privileges"):
+        if scratch is not None:
+            os.chdir(scratch)
+        _drop_privileges()
+    with _stage("write the program's files"):
+        for name, text in cfg["files"].items():
+            with open(name, "w") as f:
+                f.write(text)
+    with _stage("resource limits"):
+        _set_limits(cfg["limits"], cfg["process_memory_bytes"])
+    if isolation == "landlock":
+        with _stage("landlock"):
+            _check(libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+            os.close(ruleset)
+    if isolation in ("landlock", "none"):
+        with _stage("seccomp filter"):
+            _install_seccomp()
+    os.environ.clear()
+    os.environ.update(SANDBOX_ENV, HOME=os.getcwd())
+    sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", errors="surrogateescape", closefd=False)
+    sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False)
+    sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
 
 
 def _exit(code: int) -> None:
@@ -616,44 +685,60 @@ def _remove_cgroup(path: str) -> None:
     os.rmdir(path)
 
 
-def main() -> None:
-    cfg = _read_message(0)
-    sys.path += cfg["site_packages"]  # importable for the program and for the tests, without .pth hooks
+def _prepare(cfg: dict) -> tuple[str, str | None, str | None]:
+    """Namespaces (or the fallback), this process made non-dumpable, the fallback's scratch
+    dir and the cgroup; returns (isolation, why no namespaces, scratch dir or None)."""
     if os.uname().machine not in SYSCALLS:
-        _report({"setup_error": f"the sandbox has no system-call table for {os.uname().machine}"})
-        return
+        raise SetupError(f"system-call table: none for {os.uname().machine}")
     isolation, reason = _enter_namespaces(cfg)
-    # Not dumpable (set after the uid maps, which a non-dumpable process cannot write): in
-    # the fallback the program may run under this uid, and must not read this process's
-    # memory or open its file descriptors (the tests wait in the configuration pipe) via /proc.
-    _check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+    with _stage("prctl(PR_SET_DUMPABLE)"):
+        # Not dumpable (set after the uid maps, which a non-dumpable process cannot write): in
+        # the fallback the program may run under this uid, and must not read this process's
+        # memory or open its file descriptors (the tests wait in the configuration pipe) via /proc.
+        _check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
     if isolation == "none" and cfg["require_isolation"]:
-        _report({"setup_error": f"isolation is required but no namespace is available ({reason})"})
-        return
+        raise SetupError(f"isolation is required but no namespace is available ({reason})")
     scratch = None
     if isolation == "none":
         if os.uname().machine not in SECCOMP_DENIED:
-            _report(
-                {
-                    "setup_error": f"the fallback ({reason}) needs a seccomp filter, which has no table for "
-                    f"{os.uname().machine}"
-                }
+            raise SetupError(
+                f"the fallback ({reason}) needs a seccomp filter, which has no table for {os.uname().machine}"
             )
-            return
-        _check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(CHILD_SUBREAPER)")
-        scratch = os.path.join(cfg["tmpdir"], f"grpo_fast_sandbox_{os.getpid()}")
-        os.mkdir(scratch, 0o700)
-        if cfg["uid"] is not None:
-            os.chown(scratch, cfg["uid"], cfg["uid"])
+        with _stage("fallback scratch dir"):
+            _check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(CHILD_SUBREAPER)")
+            scratch = os.path.join(cfg["tmpdir"], f"grpo_fast_sandbox_{os.getpid()}")
+            os.mkdir(scratch, 0o700)
+            if cfg["uid"] is not None:
+                os.chown(scratch, cfg["uid"], cfg["uid"])
         if _landlock_abi():
             isolation = "landlock"
-    cfg["cgroup"] = _make_cgroup(cfg)
-    judged = cfg["setup"] is not None
-    setup_read, setup_write = os.pipe()
-    if judged:
-        requests_read, requests_write = os.pipe()
-        replies_read, replies_write = os.pipe()
-    pid = os.fork()
+    with _stage("cgroup"):
+        cfg["cgroup"] = _make_cgroup(cfg)
+    return isolation, reason, scratch
+
+
+def main() -> None:
+    """Sets the sandbox up, runs the program, judges it and reports (see the module docstring).
+
+    Every failure before the program runs is reported as {"setup_error": "<stage>: <error with
+    its errno>", "namespaces": bool}; {"forked": ...} says the program may have run, so that a
+    bootstrap that dies after it (whatever killed it) scores the run, never fails the call.
+    """
+    try:
+        with _stage("configuration"):
+            cfg = _read_message(0)
+        sys.path += cfg["site_packages"]  # importable for the program and for the tests, without .pth hooks
+        isolation, reason, scratch = _prepare(cfg)
+        judged = cfg["setup"] is not None
+        with _stage("fork"):
+            setup_read, setup_write = os.pipe()
+            if judged:
+                requests_read, requests_write = os.pipe()
+                replies_read, replies_write = os.pipe()
+            pid = os.fork()
+    except SetupError as exc:
+        _report({"setup_error": str(exc), "namespaces": exc.namespaces})
+        return
     if pid == 0:
         os.close(setup_read)
         channel = None
@@ -662,16 +747,17 @@ def main() -> None:
             os.close(replies_read)
             channel = (requests_read, replies_write)
         _child(cfg, isolation, scratch, setup_write, channel)
+    _report({"forked": True, "isolation": isolation, "reason": reason})
     for fd in (setup_write, cfg["stdout_fd"], cfg["stderr_fd"]) + ((requests_read, replies_write) if judged else ()):
         os.close(fd)
     tests = _read_message(0) if judged else None
     with os.fdopen(setup_read, "rb") as pipe:
-        setup_error = pipe.read().decode(errors="replace") or None
+        failure = json.loads(pipe.read() or "null")
     sandbox = _Sandbox(pid, scratch, cfg["limits"]["scratch_bytes"])
     start = time.monotonic()
     deadline = start + cfg["limits"]["wall_time_s"]
     passed = judge_error = None
-    if setup_error is None:
+    if failure is None:
         _report({"started": True, "isolation": isolation, "reason": reason})
         signal.signal(signal.SIGALRM, lambda signum, frame: sandbox.on_alarm(deadline))
         if scratch is None:
@@ -684,7 +770,7 @@ def main() -> None:
             try:
                 passed = _code_harness.judge(tests, channel)
             except Exception as exc:  # noqa: BLE001 - the trusted tests themselves are broken: say so
-                judge_error = f"{type(exc).__name__}: {exc}"
+                judge_error = _describe(exc)
             sandbox.kill()  # the verdict is in; the program has nothing left to do
     status = sandbox.reap()
     if scratch is not None:
@@ -694,7 +780,8 @@ def main() -> None:
     _report(
         {
             "isolation": isolation,
-            "setup_error": setup_error,
+            "setup_error": failure and failure["error"],
+            "namespaces": bool(failure and failure["namespaces"]),
             "timed_out": sandbox.timed_out,
             "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
             "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,

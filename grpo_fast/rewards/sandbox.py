@@ -21,7 +21,7 @@ import tempfile
 import threading
 import warnings
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The bootstrap is imported as a module (so its bytecode is cached) from this directory,
@@ -43,6 +43,9 @@ _busy_slots: set[int] = set()
 # wall limit before the caller kills its whole session as a backstop.
 _BOOT_GRACE_S = 10.0
 _warned_fallback = threading.Event()
+# Why the namespaces proved unusable in this process (made, but their id maps or mounts
+# refused), after which every run takes the fallback; None while they work.
+_namespaces_refused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,27 @@ def _message(obj) -> bytes:
 
 
 def _run(job: dict, tests: dict | None, limits: SandboxLimits, require_isolation: bool) -> SandboxResult:
+    """One sandboxed run; where the namespaces turn out unusable here, the fallback from then on (one warning)."""
+    global _namespaces_refused
+    if os.environ.get("GRPO_FAST_SANDBOX_NO_NAMESPACES") == "1":
+        refused = "namespaces turned off by GRPO_FAST_SANDBOX_NO_NAMESPACES"
+    else:
+        refused = _namespaces_refused
+    result, namespace_error = _run_once(job, tests, limits, require_isolation, refused)
+    if namespace_error is None:
+        return result
+    if require_isolation:
+        return replace(result, error=f"isolation is required but the namespaces cannot be used here: {namespace_error}")
+    # Made but unusable (id maps or mounts refused: AppArmor's restriction of unprivileged user
+    # namespaces, say). Nothing of the program ran: run it in the fallback, and so every later one.
+    _namespaces_refused = f"the namespaces cannot be used here: {namespace_error}"
+    return _run_once(job, tests, limits, require_isolation, _namespaces_refused)[0]
+
+
+def _run_once(
+    job: dict, tests: dict | None, limits: SandboxLimits, require_isolation: bool, namespaces_refused: str | None
+) -> tuple[SandboxResult, str | None]:
+    """One bootstrap; returns its result and, where its namespaces were made but proved unusable, why."""
     root = os.geteuid() == 0
     python_dirs, site_packages = _python_dirs()
     cgroup = _cgroup_parent()
@@ -246,7 +270,7 @@ def _run(job: dict, tests: dict | None, limits: SandboxLimits, require_isolation
                 "limits": {**asdict(limits), "cpu_time_s": int(limits.cpu_time_s or math.ceil(limits.wall_time_s))},
                 "process_memory_bytes": limits.memory_bytes if cgroup else limits.memory_bytes // limits.max_processes,
                 "uid": uid,
-                "no_namespaces": os.environ.get("GRPO_FAST_SANDBOX_NO_NAMESPACES") == "1",
+                "namespaces_refused": namespaces_refused,
                 "require_isolation": require_isolation,
                 "python_dirs": python_dirs,
                 "site_packages": site_packages,
@@ -271,44 +295,73 @@ def _run(job: dict, tests: dict | None, limits: SandboxLimits, require_isolation
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)  # the sandbox dies with it (PDEATHSIG, PID namespace)
                 status_lines, boot_err = proc.communicate()
-            return _result(status_lines, boot_err, out_fd, err_fd, limits.output_bytes)
+            except BrokenPipeError:  # it died before reading the tests: what it says on stderr tells why
+                status_lines, boot_err = proc.stdout.read(), proc.stderr.read()
+                proc.wait()
+            return _result(status_lines, boot_err, proc.returncode, out_fd, err_fd, limits.output_bytes)
         finally:
             os.close(out_fd)
             os.close(err_fd)
 
 
-def _result(status_lines: bytes, boot_err: bytes, out_fd: int, err_fd: int, output_bytes: int) -> SandboxResult:
+def _result(
+    status_lines: bytes, boot_err: bytes, returncode: int, out_fd: int, err_fd: int, output_bytes: int
+) -> tuple[SandboxResult, str | None]:
     statuses = []
     for line in status_lines.decode(errors="replace").splitlines():
         try:
             statuses.append(json.loads(line))
         except ValueError:
             pass
+    forked = next((s for s in statuses if s.get("forked")), None)
     started = next((s for s in statuses if s.get("started")), None)
     final = next((s for s in statuses if "exit_code" in s or "setup_error" in s), {})
     error = final.get("setup_error")
-    if started is None and error is None:
-        error = "sandbox bootstrap failed: " + boot_err.decode(errors="replace")[-2000:]
+    if final.get("namespaces"):
+        return _empty_result(forked or final, error), error
+    if forked is None and error is None:
+        # The bootstrap ended before the program could run, without a word on its status
+        # line: its stderr and how it ended are all there is to say where.
+        how = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with status {returncode}"
+        stderr = boot_err.decode(errors="replace").strip()[-2000:]
+        error = f"the sandbox bootstrap {how} before starting the program" + (
+            f"; its stderr: {stderr}" if stderr else " and wrote nothing to stderr"
+        )
     if final.get("judge_error"):
         error = f"the tests failed outside the sandbox (the tests' fault, not the program's): {final['judge_error']}"
-    isolation = (started or final).get("isolation", "none")
+    isolation = (started or forked or final).get("isolation", "none")
     if started is not None and isolation in ("landlock", "none") and not _warned_fallback.is_set():
         _warned_fallback.set()
         warnings.warn(
             f"the code sandbox runs without namespaces ({started['reason']}): a weaker fallback, see "
             "SECURITY.md; pass require_isolation=True to refuse instead",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
-    return SandboxResult(
+    result = SandboxResult(
         stdout=os.pread(out_fd, output_bytes, 0).decode(errors="replace"),
         stderr=os.pread(err_fd, output_bytes, 0).decode(errors="replace"),
         exit_code=final.get("exit_code"),
         signal=final.get("signal"),
-        # A run that started but never reported (its bootstrap killed by the backstop) counts as timed out.
-        timed_out=final.get("timed_out", started is not None),
+        # A run whose bootstrap died after the fork without a final word (killed by the
+        # backstop, or by anything else once the program may have run) counts as timed out.
+        timed_out=final.get("timed_out", forked is not None),
         isolation=isolation,
         wall_s=final.get("wall_s", 0.0),
         error=error,
         passed=final.get("passed"),
+    )
+    return result, None
+
+
+def _empty_result(status: dict, error: str) -> SandboxResult:
+    return SandboxResult(
+        stdout="",
+        stderr="",
+        exit_code=None,
+        signal=None,
+        timed_out=False,
+        isolation=status.get("isolation", "none"),
+        wall_s=0.0,
+        error=error,
     )
