@@ -4,6 +4,8 @@
     grpo-fast train --model PATH --dataset PATH      # a real causal LM on a prompt dataset
     grpo-fast train --config run.yaml --steps 500    # YAML config, flags override it
     grpo-fast train --output runs/x --resume         # continue a run from its last checkpoint
+    grpo-fast train --report-to tensorboard --eval-every 50   # trackers; held-out evaluation
+    grpo-fast eval --model runs/x/final -n 8         # evaluate a model folder (a run's: its config's settings)
     grpo-fast bench memory --preset 100m             # what PPO's critic costs next to GRPO (memory, time)
     torchrun --nproc-per-node 8 -m grpo_fast train --model PATH ... [--parallel fsdp]   # many devices
 
@@ -27,6 +29,24 @@ BENCHMARKS = {
 
 # Short names the issue and README use for config fields.
 _ALIASES = {"output_dir": ["--output"], "group_size": ["-G"]}
+# grpo-fast eval's flags: config fields under the names an evaluation gives them.
+EVAL_FLAGS = {
+    "eval_samples": ["-n", "--samples"],
+    "eval_temperature": ["--temperature"],
+    "eval_pass_threshold": ["--pass-threshold"],
+    "reward_funcs": ["--reward-funcs"],
+    "reward_weights": ["--reward-weights"],
+    "generator": ["--generator"],
+    "seed": ["--seed"],
+    "max_new_tokens": ["--max-new-tokens"],
+    "max_prompt_length": ["--max-prompt-length"],
+    "prompt_column": ["--prompt-column"],
+    "answer_column": ["--answer-column"],
+    "system_prompt": ["--system-prompt"],
+    "batch_size": ["--batch-size"],
+    "device": ["--device"],
+    "precision": ["--precision"],
+}
 
 
 def _flag_type(field: dataclasses.Field):
@@ -72,6 +92,25 @@ def build_parser() -> argparse.ArgumentParser:
             options.add_argument(*names, nargs=nargs, type=element, **common)
         else:
             options.add_argument(*names, type=kind, metavar=field.name.upper(), **common)
+    evaluate = commands.add_parser(
+        "eval",
+        help="evaluate a model folder: mean rewards, pass@1 and pass@n on held-out prompts",
+        description="Evaluate a model folder (a run's final/ or checkpoint model, or any local Hugging Face "
+        "model) as training's --eval-every does. A folder inside a run (its config.yaml one level up) starts "
+        "from that run's settings, so with its seed it gives the numbers the run logged at its last step.",
+    )
+    evaluate.add_argument("--model", required=True, help="the model folder (save_pretrained)")
+    evaluate.add_argument(
+        "--dataset",
+        help="eval prompts, as train's --dataset; default: the run's eval_dataset, or the demo's held-out sums",
+    )
+    evaluate.add_argument("--output", default="eval.json", help="JSON file of the results (default: eval.json)")
+    for name, flag in EVAL_FLAGS.items():
+        field = GRPOConfig.__dataclass_fields__[name]
+        kind, nargs = _flag_type(field)
+        evaluate.add_argument(
+            *flag, dest=name, type=str if nargs else kind, nargs=nargs, default=None, help=field.metadata["help"]
+        )
     bench = commands.add_parser(
         "bench",
         help="benchmarks: grpo-fast bench memory (PPO's critic against GRPO)",
@@ -127,9 +166,51 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def eval_config(args: argparse.Namespace) -> GRPOConfig:
+    """The run's saved config when ``--model`` lies in a run folder (else the defaults), with
+    the model, the eval dataset and the flags given."""
+    saved = os.path.join(os.path.dirname(os.path.abspath(args.model)), "config.yaml")
+    values = {}
+    if os.path.isfile(saved):
+        import yaml
+
+        with open(saved) as f:
+            values = yaml.safe_load(f) or {}
+    values.update({name: getattr(args, name) for name in EVAL_FLAGS if getattr(args, name) is not None})
+    if args.reward_weights is not None:
+        values["reward_weights"] = [_number_or_str(w) for w in args.reward_weights]
+    values.update(model=args.model, output_dir=None, report_to=None, eval_every=0)
+    values["eval_dataset"] = args.dataset or values.get("eval_dataset")
+    if not os.path.isfile(saved):  # no run: the task (its default rewards) is the eval dataset's
+        values["dataset"] = args.dataset
+    return GRPOConfig.from_dict(values)
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """Prints the eval metrics as a table (rank 0) and writes them, with the settings, as JSON."""
+    import json
+
+    from grpo_fast.trainer import distributed
+    from grpo_fast.trainer.evaluation import evaluate_model
+
+    config = eval_config(args)
+    metrics = evaluate_model(config)
+    if int(os.environ.get("RANK", 0)) == 0:
+        width = max(len(key) for key in metrics)
+        for key, value in metrics.items():
+            print(f"{key:<{width}}  {'-' if value is None else f'{value:.4f}'}")
+        settings = ("model", "eval_dataset", "reward_funcs", "eval_samples", "eval_temperature", "eval_pass_threshold")
+        result = dict(metrics=metrics, **{k: getattr(config, k) for k in settings + ("seed", "generator")})
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+    distributed.shutdown()
+    return 0
+
+
 def main(argv=None) -> int:
     from grpo_fast.trainer.checkpoint import CheckpointError
     from grpo_fast.trainer.rollout import RewardError
+    from grpo_fast.trainer.trackers import TrackerUnavailable
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -138,8 +219,8 @@ def main(argv=None) -> int:
             from grpo_fast.bench import memory
 
             return memory.main(args.options, prog=f"{parser.prog} bench {args.benchmark}")
-        return train(args)
-    except (ValueError, FileNotFoundError, CheckpointError, RewardError) as exc:
+        return evaluate(args) if args.command == "eval" else train(args)
+    except (ValueError, FileNotFoundError, CheckpointError, RewardError, TrackerUnavailable) as exc:
         rank = os.environ.get("RANK")  # set by torchrun
         where = f" (rank {rank})" if rank is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
         print(f"grpo-fast: error{where}: {exc}", file=sys.stderr)

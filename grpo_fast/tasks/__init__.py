@@ -38,15 +38,25 @@ def get_reward_function(name) -> Callable:
     return func
 
 
-def load_rows(dataset: str | None, *, tokenizer=None, seed: int = 0, **options) -> list:
-    """Prompt rows: the arithmetic demo when ``dataset`` is None, else the file or folder at that path.
+def resolve_rewards(names, dataset: str | None) -> tuple:
+    """``(functions, their names)`` of reward ``names`` (None = the task's: the demo's when
+    ``dataset`` is None, else math_reward)."""
+    if names is None:
+        names = DEMO_REWARDS if dataset is None else DATASET_REWARDS
+    funcs = [get_reward_function(name) for name in names]
+    return funcs, [getattr(f, "__name__", str(f)) for f in funcs]
+
+
+def load_rows(dataset: str | None, *, tokenizer=None, seed: int = 0, hold_out: bool = False, **options) -> list:
+    """Prompt rows: the arithmetic demo when ``dataset`` is None (``hold_out``: without its
+    held-out sums), else the file or folder at that path.
 
     ``options``: prompt_column, answer_column, system_prompt (see ``load_prompt_dataset``).
     """
     if dataset is None:
         from grpo_fast.tasks.arithmetic import build_dataset
 
-        return build_dataset(seed=seed)
+        return build_dataset(seed=seed, hold_out=hold_out)
     from grpo_fast.tasks.datasets import load_prompt_dataset
 
     rows = load_prompt_dataset(dataset, tokenizer=tokenizer, **options)

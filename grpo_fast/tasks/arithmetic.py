@@ -71,15 +71,27 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **sizes) -> L
         return LlamaForCausalLM(config)
 
 
-def build_dataset(num_rows: int = 1000, seed: int = 0) -> list[dict]:
-    """Rows ``{"prompt": "a+b=", "answer": "a+b as a decimal string"}``, drawn at random."""
+# The held-out sums (a, b): one of each of 10 pairs (a, b), (b, a), so that training still
+# shows b+a. A run that evaluates on them trains without them; the default demo trains on every sum.
+HELD_OUT = ((0, 2), (3, 1), (4, 0), (1, 4), (5, 1), (2, 5), (6, 2), (1, 7), (8, 1), (3, 6))
+
+
+def build_dataset(num_rows: int = 1000, seed: int = 0, hold_out: bool = False) -> list[dict]:
+    """Rows ``{"prompt": "a+b=", "answer": "a+b as a decimal string"}``, drawn at random:
+    every sum a + b <= 9, or with ``hold_out`` every sum but the :data:`HELD_OUT` ones."""
     rng = random.Random(seed)
     rows = []
-    for _ in range(num_rows):
+    while len(rows) < num_rows:
         a = rng.randrange(10)
         b = rng.randrange(10 - a)
-        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+        if not (hold_out and (a, b) in HELD_OUT):
+            rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
     return rows
+
+
+def held_out_rows() -> list[dict]:
+    """The held-out sums, one row each, as :func:`build_dataset` writes rows."""
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in HELD_OUT]
 
 
 def arithmetic_reward(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from grpo_fast.spec import SCALES, LossConfig, option
 from grpo_fast.trainer.distributed import PARALLEL
 from grpo_fast.trainer.generators import ENGINES
+from grpo_fast.trainer.trackers import TRACKERS, check_trackers
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -85,6 +86,19 @@ class GRPOConfig(LossConfig):
     save_every: int = option(50, "checkpoint every k steps (and at the end); 0 = only at the end")
     keep_checkpoints: int = option(2, "checkpoints kept on disk")
     progress: bool = option(True, "show a progress bar")
+    report_to: list | None = option(None, f"experiment trackers, any of: {', '.join(TRACKERS)}; None = none")
+    log_completions_every: int = option(
+        50, "every k steps (and at the end) a sample of rollout rows to completions.jsonl and tracker tables; 0 = off"
+    )
+
+    # held-out evaluation
+    eval_dataset: str | None = option(None, "held-out prompts, as --dataset; None = the demo's held-out sums")
+    eval_every: int = option(
+        0, "evaluate every k steps and at the end; 0 = at the end if eval_dataset is given, else never"
+    )
+    eval_samples: int = option(8, "n, completions per eval prompt (pass@1 and pass@n from them)")
+    eval_temperature: float | None = option(None, "sampling temperature of the evaluation; None = temperature")
+    eval_pass_threshold: float = option(1.0, "a sample passes when its combined reward is at least this")
 
     def __post_init__(self):
         """Fields may be edited one by one: validation waits for ``validate()``."""
@@ -92,6 +106,10 @@ class GRPOConfig(LossConfig):
     @property
     def prompts_per_step(self) -> int:
         return self.batch_size // self.group_size
+
+    def bf16(self, device) -> bool:
+        """Whether the forwards on ``device`` (a torch.device) run under bf16 autocast."""
+        return self.precision == "bf16" or (self.precision == "auto" and device.type == "cuda")
 
     def loss_config(self) -> LossConfig:
         """The run's loss options as one frozen, validated :class:`LossConfig` (dr_grpo's
@@ -184,7 +202,23 @@ class GRPOConfig(LossConfig):
                 f"reward_weights needs one weight per entry of reward_funcs, got {self.reward_weights!r} "
                 f"for {self.reward_funcs!r}",
             )
+        require(
+            isinstance(self.eval_samples, int) and self.eval_samples >= 1,
+            f"eval_samples must be an int >= 1, got {self.eval_samples!r}",
+        )
+        for name in ("log_completions_every", "eval_every"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 0, f"{name} must be an int >= 0, got {value!r}")
+        require(
+            self.eval_every <= self.steps,
+            f"eval_every={self.eval_every} is larger than the run (steps={self.steps}): it would evaluate only at "
+            "the end; pass eval_every <= steps",
+        )
+        if self.eval_temperature is not None:
+            require(self.eval_temperature > 0, f"eval_temperature must be > 0, got {self.eval_temperature!r}")
+        check_trackers(self.report_to)
         if self.model is not None:
             require(os.path.isdir(self.model), f"model path {self.model!r} is not a directory (nothing is downloaded)")
-        if self.dataset is not None:
-            require(os.path.exists(self.dataset), f"dataset path {self.dataset!r} does not exist")
+        for name in ("dataset", "eval_dataset"):
+            path = getattr(self, name)
+            require(path is None or os.path.exists(path), f"{name} path {path!r} does not exist")

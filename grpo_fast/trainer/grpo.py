@@ -46,9 +46,9 @@ import torch
 from grpo_fast import group_advantages
 from grpo_fast.ops._policy import LossInputs
 from grpo_fast.outputs import GroupAdvantages
-from grpo_fast.tasks import DATASET_REWARDS, DEMO_REWARDS, get_reward_function, load_rows
+from grpo_fast.tasks import load_rows, resolve_rewards
 from grpo_fast.trainer import checkpoint as ckpt
-from grpo_fast.trainer import distributed, run_log
+from grpo_fast.trainer import distributed, evaluation, run_log, trackers
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.generators import make_generator
 from grpo_fast.trainer.packed_policy import PackedPolicy, filler
@@ -126,7 +126,7 @@ class GRPOTrainer:
                 "compile_generation replays a CUDA graph on fixed weight addresses, but under FSDP2 the weights are "
                 "gathered anew for each rollout: use parallel='ddp', or no compile_generation"
             )
-        self.bf16 = config.precision == "bf16" or (config.precision == "auto" and self.device.type == "cuda")
+        self.bf16 = config.bf16(self.device)
         if model is None:
             model, tokenizer = load_model_and_tokenizer(config, flash_attention_available(self.device, self.bf16))
         elif tokenizer is None:
@@ -138,6 +138,12 @@ class GRPOTrainer:
         self.rows = rows if rows is not None else self._load_rows()
         self.reward_funcs, self.reward_names = self._resolve_rewards(reward_funcs)
         self.generator = make_generator(config.generator, self.policy, tokenizer, config, bf16=self.bf16)
+        self.evaluator = None
+        if config.eval_every or config.eval_dataset is not None:
+            eval_rows = evaluation.load_eval_rows(config, tokenizer)
+            self.evaluator = evaluation.Evaluator(
+                self.policy, tokenizer, config, eval_rows, self.reward_funcs, self.reward_names, self.ranks, self.bf16
+            )
 
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -219,17 +225,14 @@ class GRPOTrainer:
             config.dataset,
             tokenizer=self.tokenizer,
             seed=config.seed,
+            hold_out=evaluation.demo_holds_out(config),
             prompt_column=config.prompt_column,
             answer_column=config.answer_column,
             system_prompt=config.system_prompt,
         )
 
     def _resolve_rewards(self, reward_funcs):
-        names = reward_funcs or self.config.reward_funcs
-        if names is None:
-            names = DEMO_REWARDS if self.config.dataset is None else DATASET_REWARDS
-        funcs = [get_reward_function(name) for name in names]
-        return funcs, [getattr(f, "__name__", str(f)) for f in funcs]
+        return resolve_rewards(reward_funcs or self.config.reward_funcs, self.config.dataset)
 
     def _lr_factor(self, optimizer_step: int) -> float:
         """Linear warmup over warmup_steps training steps, then constant, linear or cosine decay."""
@@ -449,6 +452,7 @@ class GRPOTrainer:
         pass metric over the num_iterations passes (None when the step made no update),
         throughput and memory (the largest rank's peak), ``extra`` and the per-reward means."""
         ranks, lengths = self.ranks, batch.completion_mask.sum(1)
+        self.last_rollout = batch  # the completions log samples it
         combined = lengths.new_full(lengths.shape, math.nan) if batch.advantages is None else batch.advantages.rewards
         # [N_global, 2 + K]: the combined reward, the completion length, each reward function's score
         table, _ = ranks.gather_rows(
@@ -530,27 +534,45 @@ class GRPOTrainer:
         return final
 
     # ---------------------------------------------------------------- the loop
+    def evaluate(self) -> dict:
+        """The eval metrics of the policy now (``evaluation.py``; every rank its share)."""
+        with distributed.gathered(self.packed_policy):
+            return self.evaluator()
+
     def train(self) -> list:
         """Runs the remaining steps; returns the metrics of every step of the run. Rank 0
-        writes the config, metrics, progress bar and plot."""
+        writes the config, metrics, completions, progress bar and plot, and reports to the
+        trackers; every eval_every steps the metrics line gains the eval metrics."""
         from tqdm.auto import tqdm
 
         config, main = self.config, self.ranks.is_main
+        tracker = trackers.Tracker()
         if main:
             import yaml
 
             os.makedirs(self.output_dir, exist_ok=True)
             with open(os.path.join(self.output_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(config.to_dict(), f, sort_keys=False)
+            tracker = trackers.open_trackers(config.report_to, self.output_dir, config.to_dict())
         start = time.perf_counter()
         bar = tqdm(
             total=config.steps, initial=self.step, disable=not (config.progress and main), desc="grpo", unit="step"
         )
         while self.step < config.steps:
             metrics = self.train_step()
+            if self.evaluator is not None and (
+                self.step == config.steps or run_log.due(self.step, config.eval_every, config.steps)
+            ):
+                metrics.update(self.evaluate())
             self.history.append(metrics)
             if main:
                 run_log.append_metrics(self.output_dir, metrics)
+                tracker.log(metrics, self.step)
+                batch = self.last_rollout
+                if run_log.due(self.step, config.log_completions_every, config.steps) and batch.advantages is not None:
+                    rows = run_log.completion_rows(batch, self.step, self.reward_names)
+                    run_log.append_completions(self.output_dir, rows)
+                    tracker.log_table("completions", rows, self.step)
             reward, kl = metrics["reward_mean"], metrics["kl"]
             bar.set_postfix(
                 reward="-" if reward is None else f"{reward:.3f}",
@@ -562,6 +584,7 @@ class GRPOTrainer:
             if (config.save_every and self.step % config.save_every == 0) or self.step == config.steps:
                 self.save_checkpoint()
         bar.close()
+        tracker.close()
         self.save_model()
         self.plot_path = (
             run_log.plot_rewards(self.history, os.path.join(self.output_dir, "reward.png")) if main else None

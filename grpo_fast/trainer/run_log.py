@@ -1,8 +1,11 @@
-"""Run logs: one JSON line of metrics per step, a reward/KL plot and a short summary."""
+"""Run logs: one JSON line of metrics per step, a sample of completions every few steps, a
+reward/KL plot and a short summary."""
 
 import json
 import math
 import os
+
+import torch
 
 METRIC_KEYS = (
     "step",
@@ -20,8 +23,15 @@ METRIC_KEYS = (
     "step_time_s",
     "peak_mem_bytes",
 )
+# Rows of each completions sample (completions.jsonl), spread over the batch's groups.
+COMPLETION_ROWS = 16
 # Keys that depend on the machine's speed and load, not on the run's numbers.
 TIMING_KEYS = ("tokens_per_s", "step_time_s", "peak_mem_bytes")
+
+
+def due(step: int, every: int, last: int) -> bool:
+    """Whether a thing logged every ``every`` steps (0 = never) runs after step ``step`` of ``last``."""
+    return every > 0 and (step % every == 0 or step == last)
 
 
 def metrics_path(output_dir: str) -> str:
@@ -34,21 +44,69 @@ def append_metrics(output_dir: str, metrics: dict) -> None:
         f.flush()
 
 
-def read_metrics(output_dir: str) -> list:
-    path = metrics_path(output_dir)
+def _read_jsonl(path: str) -> list:
     if not os.path.exists(path):
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_metrics(output_dir: str) -> list:
+    return _read_jsonl(metrics_path(output_dir))
+
+
+def read_completions(output_dir: str) -> list:
+    return _read_jsonl(completions_path(output_dir))
+
+
 def truncate_metrics(output_dir: str, last_step: int) -> None:
-    """Drops lines logged after ``last_step`` (steps a resumed run will redo)."""
-    kept = [m for m in read_metrics(output_dir) if m["step"] <= last_step]
-    tmp = metrics_path(output_dir) + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(m) + "\n" for m in kept)
-    os.replace(tmp, metrics_path(output_dir))
+    """Drops the metrics and completions lines logged after ``last_step`` (steps a resumed run will redo)."""
+    for path in (metrics_path(output_dir), completions_path(output_dir)):
+        if os.path.exists(path):
+            kept = [m for m in _read_jsonl(path) if m["step"] <= last_step]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(json.dumps(m) + "\n" for m in kept)
+            os.replace(path + ".tmp", path)
+
+
+def completions_path(output_dir: str) -> str:
+    return os.path.join(output_dir, "completions.jsonl")
+
+
+def completion_rows(batch, step: int, reward_names: list, max_rows: int = COMPLETION_ROWS) -> list:
+    """Up to ``max_rows`` rows of a rollout with advantages, spread evenly over its groups:
+    ``{"step", "prompt", "completion", "reward", <each reward function>, "advantage"}`` (a
+    per-token advantage [N, C], PPO's, as its mean over the completion's tokens; None for NaN)."""
+    advantages = batch.advantages.advantages
+    if advantages.dim() == 2:
+        mask = batch.completion_mask.to(advantages.device)
+        advantages = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+    N = len(batch.completions)
+    picks = range(0, N, max(1, math.ceil(N / max_rows)))
+    table = torch.cat([batch.advantages.rewards[:, None].cpu(), batch.rewards.cpu(), advantages[:, None].cpu()], 1)
+
+    def number(x: float):
+        return None if math.isnan(x) else x
+
+    rows = []
+    for i in picks:
+        values = [number(x) for x in table[i].tolist()]
+        rows.append(
+            dict(
+                step=step,
+                prompt=batch.prompts[i],
+                completion=batch.completions[i],
+                reward=values[0],
+                **{name: value for name, value in zip(reward_names, values[1:-1])},
+                advantage=values[-1],
+            )
+        )
+    return rows
+
+
+def append_completions(output_dir: str, rows: list) -> None:
+    with open(completions_path(output_dir), "a") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 def tenth_means(history: list, key: str = "reward_mean") -> tuple:
@@ -72,6 +130,13 @@ def plot_rewards(history: list, path: str) -> str | None:
     axes = fig.subplots(1, 2 if has_kl else 1, squeeze=False)
     ax = axes[0, 0]
     ax.plot(steps, [math.nan if m["reward_mean"] is None else m["reward_mean"] for m in history], label="reward mean")
+    evaluated = [m for m in history if "eval/reward_mean" in m]
+    for key, label in (("eval/reward_mean", "eval reward mean"), ("eval/pass@1", "eval pass@1")):
+        if evaluated:
+            values = [math.nan if m[key] is None else m[key] for m in evaluated]
+            ax.plot([m["step"] for m in evaluated], values, marker="o", label=label)
+    if evaluated:
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
@@ -90,11 +155,19 @@ def summary(history: list, output_dir: str, elapsed_s: float) -> str:
     """A few lines: reward at the start and end, time, where the outputs are."""
     first, last = tenth_means(history)
     tokens = [m["tokens_per_s"] for m in history]
-    return "\n".join(
-        [
-            f"steps: {len(history)} in {elapsed_s:.1f} s",
-            f"reward (mean of first / last tenth of steps): {first:.3f} -> {last:.3f} ({last - first:+.3f})",
-            f"tokens/s (median): {sorted(tokens)[len(tokens) // 2]:.0f}" if tokens else "tokens/s: -",
-            f"outputs: {output_dir} (metrics.jsonl, reward.png, checkpoints/, final/)",
-        ]
-    )
+    evaluated = [m for m in history if "eval/reward_mean" in m]
+    lines = [
+        f"steps: {len(history)} in {elapsed_s:.1f} s",
+        f"reward (mean of first / last tenth of steps): {first:.3f} -> {last:.3f} ({last - first:+.3f})",
+        f"tokens/s (median): {sorted(tokens)[len(tokens) // 2]:.0f}" if tokens else "tokens/s: -",
+    ]
+    if evaluated:
+        end = evaluated[-1]
+        lines.append(
+            f"eval at step {end['step']}: "
+            + ", ".join(
+                f"{key[5:]} {value:.3f}" for key, value in end.items() if key.startswith("eval/") and value is not None
+            )
+        )
+    lines.append(f"outputs: {output_dir} (metrics.jsonl, completions.jsonl, reward.png, checkpoints/, final/)")
+    return "\n".join(lines)

@@ -1,0 +1,180 @@
+"""Held-out evaluation: n samples per prompt, the mean rewards, pass@1 and pass@n.
+
+    rows      <- the eval dataset (or the demo's held-out sums)                 load_eval_rows
+    samples   <- n completions of every prompt, sampled at eval_temperature,
+                 prompt i keyed by its index i (the sampler's draws are then a function of
+                 (seed, i, sample) and the weights alone)
+    rewards   <- the run's reward functions; the combined reward is their weighted sum, as in
+                 training (NaN where no function scored)
+    metrics   <- eval/reward_mean, eval/rewards/<name>, eval/pass@1, eval/pass@n
+
+A sample passes when its combined reward is at least ``pass_threshold``; pass@k is the
+unbiased estimator of Chen et al. 2021 (:func:`pass_at_k`), averaged over prompts.
+
+Under torchrun each rank samples a contiguous share of the prompts and the per-sample
+rewards are gathered in prompt order, so every rank returns the numbers one process would.
+The same :class:`Evaluator` serves the trainer (``--eval-every``) and ``grpo-fast eval``.
+"""
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+
+from grpo_fast import group_advantages
+from grpo_fast.trainer import distributed
+from grpo_fast.trainer.distributed import Ranks
+from grpo_fast.trainer.generators import make_generator
+from grpo_fast.trainer.rollout import RewardError, rollout, score
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The probability that at least one of k samples drawn without replacement from n, of
+    which c passed, passes: ``1 - C(n - c, k) / C(n, k)`` (Chen et al. 2021), as the product
+    ``prod_{i < k} (n - c - i) / (n - i)`` so that no binomial overflows."""
+    if not (isinstance(n, int) and isinstance(c, int) and isinstance(k, int)) or not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs ints 0 <= c <= n and 1 <= k <= n, got n={n!r}, c={c!r}, k={k!r}")
+    if n - c < k:  # every draw of k holds a passing sample
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def demo_holds_out(config) -> bool:
+    """Whether ``config``'s run evaluates on the demo's held-out sums (and trains without them)."""
+    return config.eval_every > 0 and config.dataset is None and config.eval_dataset is None
+
+
+def load_eval_rows(config, tokenizer=None) -> list:
+    """The eval prompts of ``config``: its ``eval_dataset`` (read as ``dataset`` is), or, for
+    the built-in demo, its held-out sums."""
+    from grpo_fast.tasks import load_rows
+    from grpo_fast.tasks.arithmetic import held_out_rows
+
+    if config.eval_dataset is None:
+        if config.dataset is not None:
+            raise ValueError(
+                "eval needs eval_dataset (a held-out file or folder of prompts): only the built-in demo has "
+                f"a held-out split of its own, and dataset={config.dataset!r} is given"
+            )
+        return held_out_rows()
+    return load_rows(
+        config.eval_dataset,
+        tokenizer=tokenizer,
+        prompt_column=config.prompt_column,
+        answer_column=config.answer_column,
+        system_prompt=config.system_prompt,
+    )
+
+
+def check_reward_columns(rows: list, reward_funcs: list, what: str = "eval_dataset") -> None:
+    """ValueError naming the reward and the dataset's columns when a reward function cannot
+    score the first row (an empty completion) with its columns: a missing answer column fails
+    here rather than at the first evaluation."""
+    row = rows[0]
+    columns = {key: [value] for key, value in row.items() if key != "prompt"}
+    for func in reward_funcs:
+        try:
+            score([func], [row["prompt"]], [""], columns)
+        except RewardError as exc:
+            raise ValueError(
+                f"{what} lacks what reward {getattr(func, '__name__', func)!r} needs; its columns are "
+                f"{sorted(row)} ({exc.__cause__ or exc})"
+            ) from exc
+
+
+@dataclasses.dataclass
+class Evaluator:
+    """Evaluates ``model`` on ``rows``: ``evaluator() -> {"eval/reward_mean": ..., ...}``.
+
+    Args:
+        model, tokenizer: the policy (as the trainer holds it) and its tokenizer.
+        config: the run's :class:`~grpo_fast.trainer.GRPOConfig`: generator, seed,
+            eval_samples, eval_temperature (None = temperature), eval_pass_threshold,
+            reward_weights, batch_size (prompts per generation call: batch_size // eval_samples).
+        rows: the eval prompt rows ``{"prompt": str, ...}``.
+        reward_funcs, reward_names: the run's reward functions and their names.
+        ranks: the job's ranks (default: one process).
+        bf16: sample under bf16 autocast (CUDA).
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    config: object
+    rows: list
+    reward_funcs: list
+    reward_names: list
+    ranks: Ranks | None = None
+    bf16: bool = False
+
+    def __post_init__(self):
+        config = self.config
+        if not self.rows:
+            raise ValueError("the eval dataset has no rows")
+        check_reward_columns(self.rows, self.reward_funcs)
+        self.ranks = self.ranks or Ranks(torch.device("cpu"))
+        temperature = config.temperature if config.eval_temperature is None else config.eval_temperature
+        # the engine reads its sampling knobs from the config: the eval's temperature in a copy
+        sampling = dataclasses.replace(config, temperature=temperature)
+        self.generator = make_generator(config.generator, self.model, self.tokenizer, sampling, bf16=self.bf16)
+
+    def __call__(self) -> dict:
+        config, ranks, n = self.config, self.ranks, self.config.eval_samples
+        M = len(self.rows)
+        first, stop = ranks.rank * M // ranks.world_size, (ranks.rank + 1) * M // ranks.world_size
+        chunk = max(1, config.batch_size // n)
+        parts = [torch.empty(0, len(self.reward_funcs))]
+        with self._random_state():
+            for start in range(first, stop, chunk):
+                keys = list(range(start, min(start + chunk, stop)))
+                rows = [self.rows[i] for i in keys]
+                parts.append(rollout(self.generator, rows, keys, self.reward_funcs, group_size=n).rewards)
+        rewards, _ = ranks.gather_rows(torch.cat(parts))  # [M * n, K], every prompt's samples in order
+        return self.metrics(rewards)
+
+    def metrics(self, rewards: torch.Tensor) -> dict:
+        """The eval metrics of rewards [M * n, K] (n samples of each prompt adjacent)."""
+        n = self.config.eval_samples
+        combined = group_advantages(rewards, n, scale="none", reward_weights=self.config.reward_weights).rewards
+        scored = combined[~combined.isnan()]
+        passed = (combined >= self.config.eval_pass_threshold).view(-1, n).sum(1).tolist()  # NaN never passes
+        out = {"eval/reward_mean": scored.mean().item() if len(scored) else None}
+        for k, name in enumerate(self.reward_names):
+            column = rewards[:, k]
+            out[f"eval/rewards/{name}"] = None if column.isnan().all() else column.nanmean().item()
+        for k in dict.fromkeys((1, n)):
+            out[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in passed) / len(passed)
+        return out
+
+    def _random_state(self):
+        """The Hugging Face engine draws from torch's global generator: it is seeded with the
+        run's seed for the evaluation and restored after, so the evaluation neither depends on
+        nor moves the training's random state."""
+        if self.config.generator != "hf":
+            return contextlib.nullcontext()
+        return _seeded(self.config.seed + self.ranks.rank, next(self.model.parameters()).device)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def evaluate_model(config) -> dict:
+    """``grpo-fast eval``: the eval metrics of the model folder ``config.model`` on
+    ``config``'s eval rows, with its reward functions and eval_* options (under torchrun every
+    rank its share of the prompts; every rank returns the numbers)."""
+    from grpo_fast.tasks import resolve_rewards
+    from grpo_fast.trainer.grpo import load_model_and_tokenizer, seed_everything
+    from grpo_fast.trainer.packing import flash_attention_available
+
+    seed_everything(config.seed)
+    device = distributed.resolve_device(config.device)
+    ranks = distributed.setup(device, config.collective_timeout_s)
+    bf16 = config.bf16(device)
+    model, tokenizer = load_model_and_tokenizer(config, flash_attention_available(device, bf16))
+    funcs, names = resolve_rewards(config.reward_funcs, config.dataset)
+    rows = load_eval_rows(config, tokenizer)
+    return Evaluator(model.to(device), tokenizer, config, rows, funcs, names, ranks, bf16)()
