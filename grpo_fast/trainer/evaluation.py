@@ -83,6 +83,21 @@ def check_reward_columns(rows: list, reward_funcs: list, what: str = "eval_datas
             ) from exc
 
 
+def eval_metrics(rewards: torch.Tensor, reward_names: list, n: int, pass_threshold: float, reward_weights=None) -> dict:
+    """The eval metrics of rewards [M * n, K] (n samples of each of M prompts adjacent, K
+    reward functions named ``reward_names``, combined with ``reward_weights`` as in training)."""
+    combined = group_advantages(rewards, n, scale="none", reward_weights=reward_weights).rewards  # [M * n]
+    scored = combined[~combined.isnan()]
+    passed = (combined >= pass_threshold).view(-1, n).sum(1).tolist()  # [M] passing samples; NaN never passes
+    out = {"eval/reward_mean": scored.mean().item() if len(scored) else None}
+    for k, name in enumerate(reward_names):
+        column = rewards[:, k]
+        out[f"eval/rewards/{name}"] = None if column.isnan().all() else column.nanmean().item()
+    for k in dict.fromkeys((1, n)):
+        out[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in passed) / len(passed)
+    return out
+
+
 @dataclasses.dataclass
 class Evaluator:
     """Evaluates ``model`` on ``rows``: ``evaluator() -> {"eval/reward_mean": ..., ...}``.
@@ -130,21 +145,7 @@ class Evaluator:
                 rows = [self.rows[i] for i in keys]
                 parts.append(rollout(self.generator, rows, keys, self.reward_funcs, group_size=n).rewards)
         rewards, _ = ranks.gather_rows(torch.cat(parts))  # [M * n, K], every prompt's samples in order
-        return self.metrics(rewards)
-
-    def metrics(self, rewards: torch.Tensor) -> dict:
-        """The eval metrics of rewards [M * n, K] (n samples of each prompt adjacent)."""
-        n = self.config.eval_samples
-        combined = group_advantages(rewards, n, scale="none", reward_weights=self.config.reward_weights).rewards
-        scored = combined[~combined.isnan()]
-        passed = (combined >= self.config.eval_pass_threshold).view(-1, n).sum(1).tolist()  # NaN never passes
-        out = {"eval/reward_mean": scored.mean().item() if len(scored) else None}
-        for k, name in enumerate(self.reward_names):
-            column = rewards[:, k]
-            out[f"eval/rewards/{name}"] = None if column.isnan().all() else column.nanmean().item()
-        for k in dict.fromkeys((1, n)):
-            out[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in passed) / len(passed)
-        return out
+        return eval_metrics(rewards, self.reward_names, n, config.eval_pass_threshold, config.reward_weights)
 
     def _random_state(self):
         """The Hugging Face engine draws from torch's global generator: it is seeded with the

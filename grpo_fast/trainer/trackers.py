@@ -8,7 +8,7 @@ local first:
 
     tensorboard   event files in <run>/tensorboard (torch.utils.tensorboard)
     wandb         an offline run in <run>/wandb (WANDB_MODE, e.g. online, overrides it)
-    mlflow        a file store in <run>/mlruns (MLFLOW_TRACKING_URI overrides it)
+    mlflow        a SQLite store <run>/mlflow.db (MLFLOW_TRACKING_URI overrides it)
     trackio       trackio's local store (TRACKIO_DIR, default ~/.cache/huggingface/trackio)
 
 transformers' ``report_to`` callbacks rename keys (``train/...``) and read a Trainer's state,
@@ -20,6 +20,7 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 
 PROJECT = "grpo-fast"  # the wandb / MLflow experiment / trackio project a run goes to
 
@@ -144,8 +145,10 @@ class WandbTracker(Tracker):
 
 
 class MLflowTracker(Tracker):
-    """An MLflow run in experiment ``grpo-fast`` of a file store in ``<run>/mlruns`` (or of
-    MLFLOW_TRACKING_URI); the config as its params, tables as JSON artifacts."""
+    """An MLflow run in experiment ``grpo-fast`` of a SQLite store ``<run>/mlflow.db``
+    (artifacts in ``<run>/mlartifacts``), or of MLFLOW_TRACKING_URI; the config as its params,
+    tables as JSON artifacts. MLflow allows no ``@`` in a metric name: ``eval/pass@1`` is
+    logged as ``eval/pass_at_1``, the one key a tracker renames."""
 
     module = "mlflow"
 
@@ -153,10 +156,15 @@ class MLflowTracker(Tracker):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or "file:" + os.path.abspath(os.path.join(output_dir, "mlruns"))
+        run_dir = os.path.abspath(output_dir)
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.join(run_dir, "mlflow.db")
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(PROJECT)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(PROJECT)
+        experiment_id = (
+            experiment.experiment_id
+            if experiment
+            else self.client.create_experiment(PROJECT, artifact_location=Path(run_dir, "mlartifacts").as_uri())
+        )
         run = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(output_dir)))
         self.run_id = run.info.run_id
         params = [Param(key, str(value)) for key, value in parameters(config).items()]
@@ -166,7 +174,11 @@ class MLflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        values = [Metric(key, value, now, step) for key, value in scalars(metrics).items() if math.isfinite(value)]
+        values = [
+            Metric(key.replace("@", "_at_"), value, now, step)
+            for key, value in scalars(metrics).items()
+            if math.isfinite(value)
+        ]
         self.client.log_batch(self.run_id, metrics=values)
 
     def log_table(self, name: str, rows: list, step: int) -> None:
