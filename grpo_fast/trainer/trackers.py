@@ -63,6 +63,12 @@ def parameters(config: dict) -> dict:
     }
 
 
+def columns_and_data(rows: list) -> tuple:
+    """``(column names, [one list of values per row])`` of rows (dicts with the same keys)."""
+    columns = list(rows[0])
+    return columns, [[row[column] for column in columns] for row in rows]
+
+
 class Tracker:
     """The do-nothing tracker, and the interface every adapter fills in."""
 
@@ -137,8 +143,8 @@ class WandbTracker(Tracker):
         self.run.log(scalars(metrics), step=step)
 
     def log_table(self, name: str, rows: list, step: int) -> None:
-        columns = list(rows[0])
-        self.run.log({name: self.wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}, step=step)
+        columns, data = columns_and_data(rows)
+        self.run.log({name: self.wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -208,9 +214,8 @@ class TrackioTracker(Tracker):
         self.trackio.log(scalars(metrics), step=step)
 
     def log_table(self, name: str, rows: list, step: int) -> None:
-        import pandas
-
-        self.trackio.log({name: self.trackio.Table(dataframe=pandas.DataFrame(rows))}, step=step)
+        columns, data = columns_and_data(rows)
+        self.trackio.log({name: self.trackio.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
         self.trackio.finish()
