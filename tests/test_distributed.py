@@ -5,6 +5,7 @@
   gradient checkpointing; dynamic sampling; an FSDP2 checkpoint resumed by one plain process
 - ``torchrun -m grpo_fast train``: learns as one process does, row for row at first; a rank
   killed mid-run stops the job, ``--resume`` continues bit-exact, one process resumes too
+- held-out evaluation: a 2-rank run's and ``grpo-fast eval``'s numbers equal one process's
 - a rank's failing reward function, or a rank that hangs, stops the job with that error
 
 Each torchrun job starts two fresh interpreters on the 2-core machine (about 10 s each).
@@ -242,6 +243,33 @@ def test_torchrun_learns_like_one_process_and_resumes_after_a_killed_rank(tmp_pa
     resumed = read_metrics(alone_dir)
     assert [m["step"] for m in resumed] == list(range(1, 41))
     assert_rows_close(resumed, rows, rel=1e-3)
+
+
+def test_evaluation_under_torchrun_equals_one_process_and_only_rank_0_reports(tmp_path):
+    """A 2-rank run evaluating at its end on 7 prompts (ranks take 3 and 4, sampled in chunks
+    of 2) logs the numbers that ``grpo-fast eval`` of its final/ gives on 2 ranks and on one
+    process, exactly; of its two ranks only rank 0 wrote TensorBoard events."""
+    import glob
+    import json
+
+    from grpo_fast.cli import main
+    from grpo_fast.tasks.arithmetic import held_out_rows
+
+    data = tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in held_out_rows()[:7]))
+    run_dir, small = str(tmp_path / "run"), ["--steps", "2", "--batch-size", "8", "-G", "4", "--max-new-tokens", "3"]
+    args = ["--eval-dataset", str(data), "--eval-samples", "4", "--report-to", "tensorboard", "--no-progress"]
+    proc = run(torchrun_command("-m", "grpo_fast", "train", "--output", run_dir, *small, *args))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    logged = {k: v for k, v in read_metrics(run_dir)[-1].items() if k.startswith("eval/")}
+    assert len(glob.glob(os.path.join(run_dir, "tensorboard", "events.*"))) == 1
+
+    final, two, one = os.path.join(run_dir, "final"), tmp_path / "two.json", tmp_path / "one.json"
+    proc = run(torchrun_command("-m", "grpo_fast", "eval", "--model", final, "--output", str(two)))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert main(["eval", "--model", final, "--output", str(one)]) == 0
+    assert json.loads(two.read_text())["metrics"] == json.loads(one.read_text())["metrics"] == logged
+    assert 0 < logged["eval/reward_mean"] < 1
 
 
 def test_a_failing_reward_on_one_rank_stops_the_job_with_its_error(tmp_path):
