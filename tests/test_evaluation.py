@@ -6,6 +6,7 @@ Runs use the demo's tiny model with a small batch (G=4, 16 completions, 4 steps)
 
 import itertools
 import json
+import os
 import random
 
 import pytest
@@ -182,3 +183,15 @@ def test_eval_every_on_a_dataset_needs_an_eval_dataset(tmp_path):
     config = GRPOConfig(**SMALL, eval_every=2, dataset=data, reward_funcs=["arithmetic"], output_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"eval needs eval_dataset .* only the built-in demo has a held-out split"):
         GRPOTrainer(config)
+
+
+def test_a_resumed_run_drops_the_completions_logged_after_its_checkpoint(tmp_path):
+    run = str(tmp_path / "run")
+    config = dict(**SMALL, log_completions_every=1, save_every=2, output_dir=run)
+    GRPOTrainer(GRPOConfig(**{**config, "steps": 3})).train()  # checkpoints at steps 2 and 3
+    assert [r["step"] for r in read_completions(run)][::16] == [1, 2, 3]
+    resumed = GRPOTrainer(GRPOConfig(**config))
+    resumed.resume(os.path.join(run, "checkpoints", "step-000002"))
+    assert [r["step"] for r in read_completions(run)][::16] == [1, 2]
+    resumed.train()
+    assert [r["step"] for r in read_completions(run)][::16] == [1, 2, 3, 4]
