@@ -195,3 +195,33 @@ def test_a_resumed_run_drops_the_completions_logged_after_its_checkpoint(tmp_pat
     assert [r["step"] for r in read_completions(run)][::16] == [1, 2]
     resumed.train()
     assert [r["step"] for r in read_completions(run)][::16] == [1, 2, 3, 4]
+
+
+def test_completion_rows_spread_over_groups_and_average_per_token_advantages():
+    """32 rows -> every 2nd row (16); a per-token advantage [N, C] (PPO's) is averaged over the
+    completion's tokens; NaN rewards (not scored) become None."""
+    from grpo_fast.outputs import GroupAdvantages
+    from grpo_fast.trainer.rollout import Rollout
+    from grpo_fast.trainer.run_log import completion_rows
+
+    N, C = 32, 3
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]).repeat(N // 2, 1)
+    per_token = torch.arange(N * C, dtype=torch.float32).view(N, C)
+    rewards = torch.rand(N, 1)
+    rewards[2] = float("nan")
+    batch = Rollout(
+        prompts=[f"p{i}" for i in range(N)],
+        completions=[f"c{i}" for i in range(N)],
+        columns={},
+        input_ids=torch.zeros(N, 5, dtype=torch.long),
+        attention_mask=torch.ones(N, 5, dtype=torch.long),
+        completion_mask=mask,
+        rewards=rewards,
+        advantages=GroupAdvantages(per_token, rewards[:, 0], None, None, None),
+    )
+    rows = completion_rows(batch, 7, ["r"])
+    assert [r["prompt"] for r in rows] == [f"p{i}" for i in range(0, N, 2)]
+    assert rows[1]["reward"] is None and rows[1]["r"] is None  # row 2
+    for row, i in zip(rows, range(0, N, 2)):
+        assert row["advantage"] == pytest.approx(((per_token[i] * mask[i]).sum() / mask[i].sum()).item())
+        assert row["step"] == 7 and row["completion"] == f"c{i}"
