@@ -230,6 +230,78 @@ IMPORTANCE_LEVELS = {
 }
 
 
+# ----------------------------------------------------------------------------- sampling correction
+
+# The engine that sampled (vLLM) computes other log-probs than the trainer at the same weights
+# (kernels, dtype, top-p renormalisation). TRL's vllm_importance_sampling_mode: the ratio of the
+# trainer's probability to the engine's, per token or per sequence, and what happens to a ratio
+# outside [clip_min, clip_max]: clamped into it ("truncate") or set to 0 ("mask").
+SAMPLING_CORRECTIONS = {
+    "token_truncate": ("token", "truncate"),
+    "token_mask": ("token", "mask"),
+    "sequence_truncate": ("sequence", "truncate"),
+    "sequence_mask": ("sequence", "mask"),
+}
+
+
+class SamplingCorrection(NamedTuple):
+    """weights [B, T]: the loss's ``importance_weights`` (a sequence mode's ratio on each of the
+    row's tokens), 0 on padding; ratio: [B, T] (token modes) or [B, 1] (sequence modes), the
+    bounded ratio as TRL logs it."""
+
+    weights: torch.Tensor
+    ratio: torch.Tensor
+
+
+def check_sampling_correction(mode, clip_min, clip_max) -> None:
+    """Raises ValueError naming the first bad sampling-correction option (TRL's rules)."""
+    if mode not in SAMPLING_CORRECTIONS:
+        raise ValueError(f"sampling_correction must be one of {tuple(SAMPLING_CORRECTIONS)} or None, got {mode!r}")
+    _number("sampling_correction_min", clip_min, low=0, optional=True)
+    _number("sampling_correction_max", clip_max, low=0, strict=True, optional=True)
+    if clip_min is None and clip_max is None:
+        raise ValueError("sampling_correction needs sampling_correction_min or sampling_correction_max (or both)")
+    if clip_min is not None and clip_max is not None and clip_min >= clip_max:
+        raise ValueError(f"sampling_correction_min must be < sampling_correction_max, got {clip_min!r} >= {clip_max!r}")
+
+
+def sampling_correction(
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> SamplingCorrection:
+    """Importance weights that correct for samples drawn by another distribution than the
+    one the loss's ratios start from (TRL 1.16's ``vllm_importance_sampling_correction``;
+    its defaults): ``ratio = exp(proximal - behaviour)`` per token, or ``exp`` of the row's
+    sum for a sequence mode, then clamped into [clip_min, clip_max] or set to 0 outside it.
+
+    Args:
+        proximal: [B, T] the trainer's log-probs of the samples at the weights that sampled.
+        behaviour: [B, T] the log-probs the sampler reported (NaN where it had none: ratio 1).
+        mask: [B, T] 1 on completion tokens.
+        mode: a key of :data:`SAMPLING_CORRECTIONS`.
+        clip_min, clip_max: the bounds (None = unbounded on that side; not both None).
+    """
+    check_sampling_correction(mode, clip_min, clip_max)
+    level, bound = SAMPLING_CORRECTIONS[mode]
+    mask = mask.to(proximal.dtype)
+    log_ratio = torch.nan_to_num((proximal - behaviour) * mask, nan=0.0)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True)
+    ratio = torch.exp(log_ratio)
+    if bound == "truncate":
+        ratio = ratio.clamp(min=clip_min, max=clip_max)
+    else:
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    return SamplingCorrection(ratio.expand_as(mask) * mask, ratio)
+
+
 # ----------------------------------------------------------------------------- the options
 
 

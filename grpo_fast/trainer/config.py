@@ -9,7 +9,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from grpo_fast.spec import SCALES, LossConfig, option
+from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option
 from grpo_fast.trainer.distributed import PARALLEL
 from grpo_fast.trainer.generators import ENGINES
 from grpo_fast.trainer.trackers import TRACKERS, check_trackers
@@ -51,6 +51,13 @@ class GRPOConfig(LossConfig):
     top_k: int = option(0, "sample among the k most likely tokens only; 0 = all")
     generator: str = option("sampler", f"generation engine: {', '.join(ENGINES)}")
     compile_generation: bool = option(False, "sampler on CUDA: static KV cache, decode step compiled to a CUDA graph")
+    sampling_correction: str | None = option(
+        "sequence_mask",
+        f"engines whose log-probs drift from the trainer's (vllm): TRL's correction, one of "
+        f"{', '.join(SAMPLING_CORRECTIONS)}; None = off",
+    )
+    sampling_correction_min: float | None = option(None, "sampling correction: lower bound of the ratio; None = 0")
+    sampling_correction_max: float | None = option(3.0, "sampling correction: upper bound of the ratio; None = none")
     vllm_gpu_memory_utilization: float = option(
         0.3, "vllm: share of the GPU's memory the engine may take (weights + KV cache), beside the trainer's"
     )
@@ -199,6 +206,10 @@ class GRPOConfig(LossConfig):
             f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization!r}",
         )
         choice("vllm_sleep_level", (0, 1, 2))
+        if self.sampling_correction is not None:
+            check_sampling_correction(
+                self.sampling_correction, self.sampling_correction_min, self.sampling_correction_max
+            )
         if self.vllm_max_model_len is not None:
             require(
                 isinstance(self.vllm_max_model_len, int) and self.vllm_max_model_len >= 2,

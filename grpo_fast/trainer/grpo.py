@@ -46,6 +46,7 @@ import torch
 from grpo_fast import group_advantages
 from grpo_fast.ops._policy import LossInputs
 from grpo_fast.outputs import GroupAdvantages
+from grpo_fast.spec import SAMPLING_CORRECTIONS, sampling_correction
 from grpo_fast.tasks import load_rows, resolve_rewards
 from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer import distributed, evaluation, run_log, trackers
@@ -59,6 +60,7 @@ from grpo_fast.trainer.rollout import (
     groups_with_signal,
     reference_context,
     rollout,
+    sampling_metrics,
     select_groups,
 )
 
@@ -81,7 +83,10 @@ def load_model_and_tokenizer(config: GRPOConfig, flash_attention: bool = False):
         from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 
         tokenizer = build_tokenizer()
-        return build_model(tokenizer, seed=config.seed), tokenizer
+        # vLLM's CPU attention needs heads of 32 or more: its demo model has 2 heads of 32 (the
+        # same weight shapes as the default's 4 heads of 16)
+        heads = dict(num_attention_heads=2, num_key_value_heads=2) if config.generator == "vllm" else {}
+        return build_model(tokenizer, seed=config.seed, **heads), tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
@@ -273,10 +278,35 @@ class GRPOTrainer:
     def make_rollout(self) -> Rollout:
         """The step's experience: samples, rewards, and the reference log-probs (beta != 0)."""
         batch = self.sample_groups()
+        if batch.sampling_logprobs is not None and self.config.sampling_correction is not None:
+            batch = self.correct_sampling(batch)
         if self.reference is not None and self.ranks.sum(batch.input_ids.shape[0]):
             with reference_context(self.policy, self.reference):
                 batch = dataclasses.replace(batch, ref_logprobs=self.packed_logprobs(self.reference_module, batch))
         return batch
+
+    def correct_sampling(self, batch: Rollout) -> Rollout:
+        """The loss's importance weights for an engine whose log-probs differ from the trainer's
+        (the loss spec's ``sampling_correction``, TRL's): the trainer's own log-probs at the
+        sampling weights come from one more no-grad pass, as in TRL, and serve as the old
+        log-probs too. Logs TRL's ``sampling/*`` metrics over every rank's tokens."""
+        config, mask = self.config, batch.completion_mask
+        proximal = self.packed_logprobs(self.packed_policy, batch)
+        correction = sampling_correction(
+            proximal,
+            batch.sampling_logprobs,
+            mask,
+            mode=config.sampling_correction,
+            clip_min=config.sampling_correction_min,
+            clip_max=config.sampling_correction_max,
+        )
+        sequence_level = SAMPLING_CORRECTIONS[config.sampling_correction][0] == "sequence"
+        metrics = sampling_metrics(
+            proximal, batch.sampling_logprobs, mask, correction.ratio, sequence_level, self.ranks
+        )
+        return dataclasses.replace(
+            batch, old_logprobs=proximal, importance_weights=correction.weights, sampling_metrics=metrics
+        )
 
     @torch.no_grad()
     def packed_logprobs(self, module: PackedPolicy, batch: Rollout) -> torch.Tensor:
@@ -357,6 +387,7 @@ class GRPOTrainer:
             batch.completion_mask[rows],
             on_grid(batch.old_logprobs),
             on_grid(batch.ref_logprobs),
+            on_grid(batch.importance_weights),
             num_items_in_batch=num_items,
         )
         return self.train_module(packed, inputs, fused_linear=self.config.fused_linear)
@@ -476,6 +507,8 @@ class GRPOTrainer:
             peak_mem_bytes=ranks.max(self._peak_memory()),
             learning_rate=self.scheduler.get_last_lr()[0],
             **extra,
+            **batch.sampling_metrics,
+            **getattr(self.generator, "metrics", dict)(),
         )
         if self.config.dynamic_sampling:
             metrics.update(sampling_rounds=batch.sampling_rounds, groups_dropped=batch.dropped_groups)

@@ -44,6 +44,10 @@ class Rollout:
     rewards: torch.Tensor  # [N, K] float32, NaN where a function returned None
     old_logprobs: torch.Tensor | None = None  # [N, C], only when num_iterations > 1
     ref_logprobs: torch.Tensor | None = None  # [N, C], only when beta != 0
+    # [N, C] an engine's own log-probs of its samples, when they may differ from the trainer's (vllm)
+    sampling_logprobs: torch.Tensor | None = None
+    importance_weights: torch.Tensor | None = None  # [N, C], the loss's correction for that difference
+    sampling_metrics: dict = dataclasses.field(default_factory=dict)  # the correction's log line
     # set by the trainer's compute_advantages: .advantages [N] (or [N, C] for PPO),
     # .rewards [N] (weighted sum, NaN where unscored), group stats
     advantages: GroupAdvantages | None = None
@@ -110,6 +114,27 @@ def completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     return out.last_hidden_state[:, -C - 1 : -1]
 
 
+def sampling_metrics(proximal, behaviour, mask, ratio, sequence_level: bool, ranks) -> dict:
+    """TRL's ``sampling/*`` metrics of a sampling correction over every rank's rows: the mean and
+    largest |proximal - behaviour| over completion tokens (NaN left out), and the smallest, mean
+    and largest bounded ratio [N, T] over tokens, or [N, 1] over sequences (0 when none)."""
+    active = mask.bool()
+    diff = (proximal - behaviour).abs()
+    diff = diff[active & ~diff.isnan()]
+    ratio = ratio.flatten() if sequence_level else ratio[active]
+    sums = ranks.sum(torch.tensor([diff.sum(), len(diff), ratio.sum(), len(ratio)], dtype=torch.float64))
+    empty = torch.tensor(-math.inf)  # what a rank without tokens contributes to a max
+    highs = [x.max() if len(x) else empty for x in (diff, ratio, -ratio)]
+    highs = ranks.max(torch.stack(highs).double()).tolist()
+    return {
+        "sampling/sampling_logp_difference/mean": (sums[0] / sums[1].clamp(min=1)).item(),
+        "sampling/sampling_logp_difference/max": highs[0] if sums[1] else 0.0,
+        "sampling/importance_sampling_ratio/min": -highs[2] if sums[3] else 0.0,
+        "sampling/importance_sampling_ratio/mean": (sums[2] / sums[3].clamp(min=1)).item(),
+        "sampling/importance_sampling_ratio/max": highs[1] if sums[3] else 0.0,
+    }
+
+
 def reference_context(policy, reference):
     """The context in which ``reference`` computes reference log-probs: a peft policy used as
     its own reference runs with its adapters disabled (no second copy of the weights)."""
@@ -130,15 +155,14 @@ def select_groups(batch: Rollout, groups: torch.Tensor, group_size: int) -> Roll
     advantages or log-probs yet."""
     rows = (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1).tolist()
     pick = torch.tensor(rows, dtype=torch.long)
+    per_row = ("input_ids", "attention_mask", "completion_mask", "rewards")
+    per_row += ("sampling_logprobs",) if batch.sampling_logprobs is not None else ()
     return dataclasses.replace(
         batch,
         prompts=[batch.prompts[i] for i in rows],
         completions=[batch.completions[i] for i in rows],
         columns={key: [values[i] for i in rows] for key, values in batch.columns.items()},
-        **{
-            name: getattr(batch, name)[pick.to(getattr(batch, name).device)]
-            for name in ("input_ids", "attention_mask", "completion_mask", "rewards")
-        },
+        **{name: getattr(batch, name)[pick.to(getattr(batch, name).device)] for name in per_row},
     )
 
 
@@ -155,6 +179,12 @@ def concat_rollouts(parts: list, pad_token_id: int) -> Rollout:
         return torch.nn.functional.pad(x, (P - (x.shape[1] - c), C - c), value=value)
 
     widths = [part.completion_mask.shape[1] for part in parts]
+
+    def completion_grid(name):  # [n, c] -> [N, C], padded on the right
+        if getattr(parts[0], name) is None:
+            return None
+        return torch.cat([torch.nn.functional.pad(getattr(part, name), (0, C - c)) for part, c in zip(parts, widths)])
+
     return dataclasses.replace(
         parts[0],
         prompts=[p for part in parts for p in part.prompts],
@@ -162,9 +192,8 @@ def concat_rollouts(parts: list, pad_token_id: int) -> Rollout:
         columns={key: [v for part in parts for v in part.columns[key]] for key in parts[0].columns},
         input_ids=torch.cat([widen(part.input_ids, c, pad_token_id) for part, c in zip(parts, widths)]),
         attention_mask=torch.cat([widen(part.attention_mask, c, 0) for part, c in zip(parts, widths)]),
-        completion_mask=torch.cat(
-            [torch.nn.functional.pad(part.completion_mask, (0, C - c)) for part, c in zip(parts, widths)]
-        ),
+        completion_mask=completion_grid("completion_mask"),
+        sampling_logprobs=completion_grid("sampling_logprobs"),
         rewards=torch.cat([part.rewards for part in parts]),
     )
 
@@ -190,4 +219,5 @@ def rollout(generator, rows: list, keys: list, reward_funcs: list, *, group_size
         attention_mask=out.attention_mask,
         completion_mask=out.completion_mask,
         rewards=score(reward_funcs, prompts, out.completions, columns),
+        sampling_logprobs=out.logprobs if getattr(generator, "drifts", False) else None,
     )

@@ -59,7 +59,9 @@ def check_model(model, config, device: torch.device) -> None:
     if device.type == "cpu":
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+        head_dim = (
+            getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+        )
         sizes = CPUAttentionBackend.get_supported_head_sizes()
         if head_dim not in sizes:
             raise ValueError(
@@ -129,6 +131,7 @@ class VLLMGenerator:
             raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
         dtype = torch.bfloat16 if bf16 else next(model.parameters()).dtype
         self.sync_time_s, self.syncs = 0.0, 0
+        threads = torch.get_num_threads()  # vLLM sets its own for serving; the trainer keeps the caller's
         with tempfile.TemporaryDirectory(prefix="grpo_fast_vllm_") as folder:
             source = config.model
             if source is None:  # the weights live only in memory: the engine starts from a saved copy
@@ -148,6 +151,7 @@ class VLLMGenerator:
                 logprobs_mode="processed_logprobs",  # after temperature, as the loss computes them
                 distributed_executor_backend="external_launcher" if distributed else None,
             )
+        torch.set_num_threads(threads)
         self._versions = weight_versions(model)
         self._sleep()
 
