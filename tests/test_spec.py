@@ -1,6 +1,7 @@
 """The loss spec: LossConfig validation and freezing, and a loss type added through the
 spec's table alone reaching the reference, every backend, the fused LM head and the trainer."""
 
+import argparse
 import dataclasses
 import inspect
 
@@ -199,3 +200,76 @@ def test_toy_loss_type_reaches_the_trainers_micro_batch_weights(toy_loss_type, t
         and tokens == 0.25
         and spec.AGGREGATIONS["batch_tokens"].micro_batch_weight(3, 8.0, 12, 20.0, trainer.loss_config) == 0.4
     )
+
+
+# ---------------------------------------------------------------- sampling correction
+
+
+def trl_sampling_correction(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16's vLLM importance-sampling ratio (GRPOTrainer._generate_and_score_completions),
+    transcribed in float64: the reference of ``spec.sampling_correction``."""
+    import math
+
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+@pytest.mark.parametrize("mode", sorted(spec.SAMPLING_CORRECTIONS))
+@pytest.mark.parametrize("bounds", [(None, 3.0), (0.5, 2.0), (0.9, None)])
+def test_sampling_correction_is_trls(mode, bounds):
+    """Every mode and bound agrees with the float64 transcription of TRL's formulas, on
+    drifts that cross both bounds, with a NaN the engine left and padding."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 7
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    sampling = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4
+    sampling[0, 2] = float("nan")
+    mask = (torch.arange(T) < torch.tensor([7, 5, 3, 7, 1, 6]).unsqueeze(1)).double()
+    out = spec.sampling_correction(old, sampling, mask, mode=mode, clip_min=bounds[0], clip_max=bounds[1])
+    want = trl_sampling_correction(old, sampling, mask, mode, *bounds)
+    torch.testing.assert_close(out.ratio, want, rtol=0, atol=0)
+    torch.testing.assert_close(out.weights, want.expand(B, T) * mask, rtol=0, atol=0)
+    cut = (want == 0) if mode.endswith("mask") else (want == want.max()) | (want == want.min())
+    assert cut.any() and not cut.all()  # the bounds did act, and not on everything
+    float32 = spec.sampling_correction(
+        old.float(), sampling.float(), mask.float(), mode=mode, clip_min=bounds[0], clip_max=bounds[1]
+    )
+    assert rel_err(float32.weights, out.weights) < 1e-5
+
+
+def test_sampling_correction_defaults_are_trls():
+    """TRL 1.16's GRPOConfig defaults: correction on, sequence_mask, clip_max 3, no clip_min."""
+    trl = pytest.importorskip("trl")
+    args = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)})
+    ours = GRPOConfig()
+    assert args.vllm_importance_sampling_correction and ours.sampling_correction is not None
+    assert ours.sampling_correction == args.vllm_importance_sampling_mode
+    assert ours.sampling_correction_max == args.vllm_importance_sampling_clip_max
+    assert ours.sampling_correction_min == args.vllm_importance_sampling_clip_min
+    defaults = inspect.signature(spec.sampling_correction).parameters
+    assert [defaults[k].default for k in ("mode", "clip_min", "clip_max")] == [
+        args.vllm_importance_sampling_mode,
+        args.vllm_importance_sampling_clip_min,
+        args.vllm_importance_sampling_clip_max,
+    ]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(sampling_correction="tokens"), "sampling_correction must be one of"),
+        (dict(sampling_correction_max=None), "needs sampling_correction_min or sampling_correction_max"),
+        (dict(sampling_correction_min=2.0, sampling_correction_max=1.0), "sampling_correction_min must be <"),
+        (dict(sampling_correction_max=-1.0), "sampling_correction_max must be"),
+    ],
+)
+def test_bad_sampling_correction_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOConfig(**options).validate()

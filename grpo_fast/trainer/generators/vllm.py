@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from grpo_fast.trainer.distributed import launched_by_torchrun
 from grpo_fast.trainer.generators import Generation, assemble, encode_prompts
 
 INSTALL = (
@@ -45,12 +46,17 @@ def import_vllm():
     return vllm
 
 
+def base_model(model):
+    """The model itself, or a peft model's base."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def check_model(model, config, device: torch.device) -> None:
     """Refuses, before training, a model the engine cannot run: an architecture vLLM does not
     implement, a head size its CPU attention refuses, or a context shorter than prompt + completion."""
     from vllm import ModelRegistry
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     model_config = base.config
     archs = getattr(model_config, "architectures", None) or [type(base).__name__]
     supported = set(ModelRegistry.get_supported_archs())
@@ -80,11 +86,22 @@ def max_model_len(model_config, config) -> int:
     return config.vllm_max_model_len or model_config.max_position_embeddings
 
 
+def cpu_kv_cache_bytes(model_config, config, dtype: torch.dtype) -> int:
+    """The KV cache of one rollout on CPU: batch_size sequences of max_model_len tokens (plus a
+    block each). vLLM's own CPU sizing takes a share of the machine's memory less the process's
+    resident set, which a trainer's process (or a second engine) easily exceeds."""
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    per_token = 2 * model_config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+    return config.batch_size * (max_model_len(model_config, config) + 16) * per_token
+
+
 def full_weights(model):
     """``(name, tensor)`` of every weight under the names of the model's own checkpoint,
     one tensor at a time: a peft LoRA's adapted layers merged (base + B A * scale, without
     touching the policy), FSDP2 shards gathered to the full tensor only when yielded."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     lora = {name: module for name, module in base.named_modules() if hasattr(module, "get_delta_weight")}
     for name, tensor in base.state_dict(keep_vars=True).items():
         if ".lora_" in name or "lora_magnitude" in name:
@@ -130,6 +147,7 @@ class VLLMGenerator:
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
         dtype = torch.bfloat16 if bf16 else next(model.parameters()).dtype
+        base, cpu = base_model(model), self.device.type == "cpu"
         self.sync_time_s, self.syncs = 0.0, 0
         threads = torch.get_num_threads()  # vLLM sets its own for serving; the trainer keeps the caller's
         with tempfile.TemporaryDirectory(prefix="grpo_fast_vllm_") as folder:
@@ -137,7 +155,9 @@ class VLLMGenerator:
             if source is None:  # the weights live only in memory: the engine starts from a saved copy
                 source = folder
                 self._save(folder)
-            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            # Under torchrun every rank runs its own engine in the job's process group. (A single
+            # process's engine makes a process group of one for itself: that is no job.)
+            distributed = launched_by_torchrun()
             self.llm = vllm.LLM(
                 model=source,
                 skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer decodes
@@ -147,6 +167,7 @@ class VLLMGenerator:
                 enforce_eager=config.vllm_enforce_eager,
                 enable_prefix_caching=config.vllm_prefix_cache,
                 gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                kv_cache_memory_bytes=cpu_kv_cache_bytes(base.config, config, dtype) if cpu else None,
                 enable_sleep_mode=config.vllm_sleep_level > 0,
                 logprobs_mode="processed_logprobs",  # after temperature, as the loss computes them
                 distributed_executor_backend="external_launcher" if distributed else None,
@@ -165,9 +186,8 @@ class VLLMGenerator:
 
     def _save(self, folder: str) -> None:
         """The policy (LoRA merged) and tokenizer as a checkpoint folder vLLM can load."""
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         state = {name: tensor.clone() for name, tensor in full_weights(self.model)}
-        base.save_pretrained(folder, state_dict=state)
+        base_model(self.model).save_pretrained(folder, state_dict=state)
         self.tokenizer.save_pretrained(folder)
 
     def sync(self) -> bool:

