@@ -96,6 +96,12 @@ else  # torch.compile is timed by the time stage; compiling it again here would 
 fi
 stage "pytest-benchmark" 50 python3 -m pytest benchmarks/ --benchmark-only -q -p no:cacheprovider \
     --benchmark-json "$OUT/pytest_benchmark${DRY:+_dryrun}.json" "${bench_args[@]}"
+# When the image has vLLM: the demo trained with --generator vllm (rollouts, in-memory weight sync,
+# sampling correction); its summary and last metrics line go to run_all.log (no file: 8 at most).
+if [ -z "$DRY" ] && python3 -c "import vllm" >/dev/null 2>&1; then
+    stage "vllm rollouts" 90 bash -c 'python3 -m grpo_fast train --generator vllm --steps 40 --no-progress \
+        --vllm-gpu-memory-utilization 0.2 --output-dir /tmp/vllm_run && tail -n 1 /tmp/vllm_run/metrics.jsonl'
+fi
 # Last, in what the budgets above leave (at least 20 s): the CUDA side of the torchrun trainer.
 stage "torchrun" 60 bash benchmarks/gpu/check_torchrun.sh
 
