@@ -17,7 +17,9 @@ Its log-probs differ from the trainer's (other kernels, dtype, top-p renormalisa
 trainer corrects for that with the loss spec's ``sampling_correction``.
 """
 
+import contextlib
 import os
+import shutil
 import tempfile
 import time
 
@@ -150,11 +152,7 @@ class VLLMGenerator:
         base, cpu = base_model(model), self.device.type == "cpu"
         self.sync_time_s, self.syncs = 0.0, 0
         threads = torch.get_num_threads()  # vLLM sets its own for serving; the trainer keeps the caller's
-        with tempfile.TemporaryDirectory(prefix="grpo_fast_vllm_") as folder:
-            source = config.model
-            if source is None:  # the weights live only in memory: the engine starts from a saved copy
-                source = folder
-                self._save(folder)
+        with self._weights_folder() as source:
             # Under torchrun every rank runs its own engine in the job's process group. (A single
             # process's engine makes a process group of one for itself: that is no job.)
             distributed = launched_by_torchrun()
@@ -184,11 +182,32 @@ class VLLMGenerator:
         if self.config.vllm_sleep_level == 2:
             self._versions = None
 
-    def _save(self, folder: str) -> None:
-        """The policy (LoRA merged) and tokenizer as a checkpoint folder vLLM can load."""
-        state = {name: tensor.clone() for name, tensor in full_weights(self.model)}
-        base_model(self.model).save_pretrained(folder, state_dict=state)
-        self.tokenizer.save_pretrained(folder)
+    @contextlib.contextmanager
+    def _weights_folder(self):
+        """A folder holding the policy's weights for the engine to start from: ``config.model``,
+        else a temporary copy (LoRA merged) that rank 0 writes for every rank of a torchrun job
+        (every rank gathers the weights: under FSDP2 that is a collective)."""
+        if self.config.model is not None:
+            yield self.config.model
+            return
+        job = launched_by_torchrun() and torch.distributed.is_initialized()
+        main = not job or torch.distributed.get_rank() == 0
+        box = [tempfile.mkdtemp(prefix="grpo_fast_vllm_") if main else None]
+        if job:
+            torch.distributed.broadcast_object_list(box, src=0)
+        try:
+            state = {name: tensor.clone() for name, tensor in full_weights(self.model)}
+            if main:
+                base_model(self.model).save_pretrained(box[0], state_dict=state)
+                self.tokenizer.save_pretrained(box[0])
+            if job:
+                torch.distributed.barrier()
+            yield box[0]
+        finally:
+            if job:
+                torch.distributed.barrier()
+            if main:
+                shutil.rmtree(box[0], ignore_errors=True)
 
     def sync(self) -> bool:
         """Pushes the policy's weights into the engine if they changed since the last push;
