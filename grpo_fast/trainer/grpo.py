@@ -31,6 +31,7 @@ its log line do not depend on the world size. Only rank 0 writes the metrics, pl
 bar and final model; every rank writes its shards of a checkpoint.
 """
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -334,7 +335,9 @@ class GRPOTrainer:
         parts, kept, dropped, rounds = [], 0, 0, 0  # kept, dropped: groups over every rank
         while kept < wanted and rounds < rounds_allowed:
             rows, keys = self.next_rows()
-            with distributed.gathered(self.packed_policy):
+            # An engine with its own copy of the weights (vllm) needs no gathered policy under FSDP2.
+            gather = getattr(self.generator, "runs_policy", True)
+            with distributed.gathered(self.packed_policy) if gather else contextlib.nullcontext():
                 part = rollout(self.generator, rows, keys, self.reward_funcs, group_size=G)
             rounds += 1
             if config.dynamic_sampling:

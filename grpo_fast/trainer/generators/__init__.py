@@ -4,7 +4,10 @@ An engine is a class built as ``Engine(model, tokenizer, config, bf16=...)`` (th
 its tokenizer, the run's :class:`~grpo_fast.trainer.GRPOConfig` with the sampling knobs)
 whose ``generate(prompts, group_size, keys)`` returns a :class:`Generation`. Adding an
 engine is one module in this folder and one row of :data:`ENGINES`; ``--generator NAME``
-picks it.
+picks it. Two optional class attributes: ``drifts = True`` says its log-probs may differ from
+the trainer's at the same weights (the trainer then corrects the loss for it, the loss spec's
+``sampling_correction``); ``runs_policy = False`` says it samples with its own copy of the
+weights (the trainer then does not gather an FSDP2 policy for the rollout).
 """
 
 import contextlib

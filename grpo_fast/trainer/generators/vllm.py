@@ -120,12 +120,14 @@ def full_weights(model):
         yield name, tensor
 
 
-def weight_versions(model) -> tuple:
+def weight_versions(model) -> tuple | None:
     """The version counters of the model's trainable tensors: an in-place update (an
-    optimizer step, a checkpoint load) bumps them, so a change is seen without reading weights."""
-    return tuple(
-        (p.to_local() if hasattr(p, "to_local") else p)._version for p in model.parameters() if p.requires_grad
-    )
+    optimizer step, a checkpoint load) bumps them, so a change is seen without reading weights.
+    None (unknown: sync every time) for FSDP2's DTensors, whose updates leave them as they are."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if any(hasattr(p, "full_tensor") for p in params):
+        return None
+    return tuple(p._version for p in params)
 
 
 class VLLMGenerator:
@@ -140,6 +142,9 @@ class VLLMGenerator:
 
     # The log-probs come from other kernels than the trainer's: the trainer corrects for it.
     drifts = True
+    # The engine samples with its own copy of the weights: the policy is never run (nor, under
+    # FSDP2, gathered) for a rollout; a sync gathers one tensor at a time.
+    runs_policy = False
 
     def __init__(self, model, tokenizer, config, *, bf16: bool = False):
         vllm = import_vllm()
@@ -213,7 +218,7 @@ class VLLMGenerator:
         """Pushes the policy's weights into the engine if they changed since the last push;
         returns whether it did. Its time accumulates in ``sync_time_s``."""
         versions = weight_versions(self.model)
-        if versions == self._versions:
+        if versions is not None and versions == self._versions:
             return False
         start = time.perf_counter()
         if self.config.vllm_sleep_level:
