@@ -67,6 +67,9 @@ def check_model(model, config, device: torch.device) -> None:
     if device.type == "cpu":
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
+        if config.vllm_sleep_level:
+            raise ValueError(f"vllm_sleep_level={config.vllm_sleep_level}: vLLM's sleep mode needs a GPU")
+
         head_dim = (
             getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
         )
