@@ -139,6 +139,7 @@ def test_train_learns_the_demo_as_the_sampler_does_and_resumes_exactly(tmp_path)
         (dict(), dict(), ValueError, r"head sizes .* the model has head_dim=16"),
         (HEADS, dict(max_prompt_length=30, max_new_tokens=4), ValueError, "exceeds the engine's max_model_len 32"),
         (HEADS, dict(vllm_max_model_len=3), ValueError, "exceeds the engine's max_model_len 3"),
+        (HEADS, dict(vllm_sleep_level=1), ValueError, "vllm_sleep_level=1: vLLM's sleep mode needs a GPU"),
         (
             HEADS,
             dict(unsupported=True),
