@@ -28,6 +28,7 @@ forwards depends on what was sampled, runs with the weights gathered once (:func
 import contextlib
 import datetime
 import os
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -78,8 +79,23 @@ def setup(device: torch.device, timeout_s: float) -> "Ranks":
     return Ranks(device)
 
 
+# Bound methods (weakly held) that shutdown() calls first: an in-process engine that made
+# process groups of its own (vLLM) closes them while the default group still exists.
+_BEFORE_SHUTDOWN: list = []
+
+
+def before_shutdown(method) -> None:
+    """Calls the bound ``method`` at :func:`shutdown`, before the process group goes, if its
+    object still lives then."""
+    _BEFORE_SHUTDOWN.append(weakref.WeakMethod(method))
+
+
 def shutdown() -> None:
     """Leaves the process group, if there is one (the end of a successful run)."""
+    while _BEFORE_SHUTDOWN:
+        method = _BEFORE_SHUTDOWN.pop()()
+        if method is not None:
+            method()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

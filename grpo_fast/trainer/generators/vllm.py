@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from grpo_fast.trainer import distributed as distributed_module
 from grpo_fast.trainer.distributed import launched_by_torchrun
 from grpo_fast.trainer.generators import Generation, assemble, encode_prompts
 
@@ -179,6 +180,7 @@ class VLLMGenerator:
                 distributed_executor_backend="external_launcher" if distributed else None,
             )
         torch.set_num_threads(threads)
+        distributed_module.before_shutdown(self.close)
         self._versions = weight_versions(model)
         self._sleep()
 
@@ -233,6 +235,10 @@ class VLLMGenerator:
         self.sync_time_s += time.perf_counter() - start
         self.syncs += 1
         return True
+
+    def close(self) -> None:
+        """Shuts the engine down, its own process groups included (again: a no-op)."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def metrics(self) -> dict:
         """The engine's share of the step's log line, reset on read: weight-sync time."""
