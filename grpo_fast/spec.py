@@ -60,21 +60,25 @@ class Aggregation(NamedTuple):
     per_row_mean: bool
     denominator: Callable
 
-    def token_weights(self, mask: torch.Tensor, config: "LossConfig", num_items=None) -> torch.Tensor:
-        """dL/dper_token [B, T] for the mask [B, T]: 0 on padding."""
-        m = mask
-        if self.per_row_mean:
-            m = m / m.sum(-1, keepdim=True).clamp(min=1.0)
-        denominator = self.denominator(mask.shape[0], mask.sum(), config, num_items)
+    def token_weights(self, mask: torch.Tensor, row_len: torch.Tensor, rows: int, config: "LossConfig", num_items=None):
+        """dL/dper_token, the shape of ``mask`` ([B, T] or flat [Nc]): 0 on padding. ``row_len``
+        is the active-token count of each token's row, broadcastable to ``mask`` ([B, 1] on a
+        grid); ``rows`` the number of rows, empty ones included."""
+        m = mask / row_len.clamp(min=1.0) if self.per_row_mean else mask
+        denominator = self.denominator(rows, mask.sum(), config, num_items)
         return m / torch.as_tensor(denominator, dtype=m.dtype, device=m.device).clamp(min=1.0)
 
     def micro_batch_weight(self, rows: int, tokens, total_rows: int, total_tokens, config, num_items=None):
         """The weight of a micro-batch's loss (``rows`` rows and ``tokens`` active tokens of
         the whole batch's ``total_rows`` and ``total_tokens``) such that the weighted sum of
-        micro-batch losses is the whole batch's loss: its denominator over the batch's."""
-        part = self.denominator(rows, tokens, config, num_items)
-        whole = self.denominator(total_rows, total_tokens, config, num_items)
-        return float(max(float(part), 1.0) / max(float(whole), 1.0))
+        micro-batch losses is the whole batch's loss: its denominator over the batch's. A
+        float from numbers; a 0-dim tensor when a count is a tensor (no host read)."""
+        part = _at_least_one(self.denominator(rows, tokens, config, num_items))
+        return part / _at_least_one(self.denominator(total_rows, total_tokens, config, num_items))
+
+
+def _at_least_one(x):
+    return x.clamp(min=1.0) if torch.is_tensor(x) else max(float(x), 1.0)
 
 
 AGGREGATIONS = {
@@ -169,9 +173,15 @@ KL_ESTIMATORS = {
 }
 
 
-def _sequence_log_ratio(log_ratio, m):
-    """GSPO: the length-normalised sum of the row's log-ratios, one per sequence [B, 1]."""
-    return ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+def grid_row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Each row's sum on a [B, T] grid, [B, 1]."""
+    return x.sum(-1, keepdim=True)
+
+
+def _sequence_log_ratio(log_ratio, m, row_sum=grid_row_sum):
+    """GSPO: the length-normalised sum of each sequence's log-ratios, one per sequence ([B, 1]
+    on a grid; ``row_sum`` says how tokens group into sequences)."""
+    return row_sum(log_ratio * m) / row_sum(m).clamp(min=1.0)
 
 
 def per_token_loss(w, logp, adv, ref, iw, c: "LossConfig"):
@@ -223,9 +233,10 @@ def without_padding(m: torch.Tensor, *tensors):
     return tuple(x.masked_fill(m == 0, 0.0) if x is not None and x.shape == m.shape else x for x in tensors)
 
 
-# How the per-token log-ratio [B, T] becomes the log of the importance ratio w.
+# How the per-token log-ratio becomes the log of the importance ratio w: (log_ratio, mask,
+# row_sum=grid_row_sum) -> the log-ratio per token, or per sequence.
 IMPORTANCE_LEVELS = {
-    "token": lambda log_ratio, m: log_ratio,
+    "token": lambda log_ratio, m, row_sum=grid_row_sum: log_ratio,
     "sequence": _sequence_log_ratio,
 }
 

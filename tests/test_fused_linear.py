@@ -277,7 +277,7 @@ def test_logits_never_exceed_a_chunk(monkeypatch, importance_sampling):
 def test_default_chunks_are_bounded_and_even():
     N = 100_000
     rows = fused_module._chunk_rows(N, 151_936, 4, torch.device("cpu"), None)
-    assert rows * 151_936 * 4 <= fused_module.CHUNK_BYTES["cpu"]
+    assert rows * 151_936 * 4 <= fused_module.LOGITS_CHUNK_BYTES["cpu"]
     n_chunks = -(-N // rows)
     assert n_chunks * rows - N < n_chunks  # near-equal chunks: the last is at most n_chunks - 1 rows short
     assert fused_module._chunk_rows(10, 151_936, 4, torch.device("cpu"), None) == 10
@@ -298,9 +298,10 @@ def test_token_logprobs(return_entropy):
     if not return_entropy:
         out, expected = (out,), (expected,)
     for got, want in zip(out, expected):
-        assert got.shape == (3, 5) and got.dtype == torch.float32 and not got.requires_grad
+        assert got.shape == (3, 5) and got.dtype == torch.float32
         assert rel_err(got, want) < 1e-5
     assert (out[0] <= 0).all()
+    assert out[0].requires_grad and all(not entropy.requires_grad for entropy in out[1:])  # log-probs only
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -345,3 +346,88 @@ def test_bad_input():
         grpo_fast.fused_linear_token_logprobs(h, w, ids, temperature=0.0)
     with pytest.raises(ValueError, match=r"ref_logprobs \[B, T\] is required"):
         fn(h, w, ids, adv, beta=0.1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("layout", ["grid", "flat"])
+def test_token_logprobs_gradients(monkeypatch, backend, layout):
+    """dL/d(hidden, weight, bias) of sum(g * logp) against the reference on materialised logits
+    in float64; chunks of 4 over 15 tokens leave a remainder, one token's g is 0."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("GRPO_FAST_BACKEND", backend)
+    case = make_case()
+    g = torch.randn(3, 5, generator=torch.Generator().manual_seed(7))
+    g[1, 2] = 0.0
+    inputs = [case[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
+    h, ids = inputs[0], case["ids"]
+    if layout == "flat":
+        h, ids, g = h.reshape(15, -1), ids.reshape(15), g.reshape(15)
+    logp = grpo_fast.fused_linear_token_logprobs(
+        h, inputs[1], ids, bias=inputs[2], temperature=0.8, chunk_size=4
+    )
+    grads = torch.autograd.grad((logp * g).sum(), inputs)
+    truth = [case[k].double().requires_grad_() for k in ("hidden", "weight", "bias")]
+    want = reference.token_logprobs(truth[0] @ truth[1].T + truth[2], case["ids"], temperature=0.8)
+    want_grads = torch.autograd.grad((want * g.view(3, 5).double()).sum(), truth)
+    assert logp.shape == ids.shape and rel_err(logp.reshape(3, 5), want) < 1e-5
+    for name, got, expected in zip(("hidden", "weight", "bias"), grads, want_grads):
+        assert got.shape == expected.shape and got.dtype == torch.float32, name
+        assert rel_err(got, expected) < 1e-5, name
+        assert (got.double() - expected).abs().max() < 1e-5 * expected.abs().max(), name  # element-wise too
+
+
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+@pytest.mark.parametrize("op", ["fused_linear_grpo_loss", "policy_loss"])
+def test_flat_rows_equal_the_grid(op, importance_sampling):
+    """The packed layout: the grid's active tokens as flat rows [Na] with their sequence
+    boundaries (an empty sequence included), advantages per sequence [n, 1], give the grid's
+    loss, metrics and gradients."""
+    case = make_case(B=4)
+    case["mask"][2] = 0  # an empty sequence: it still counts as a row of the grpo mean
+    options = dict(beta=0.04, importance_sampling=importance_sampling, return_entropy=True)
+    mask = case["mask"].bool()
+    lengths = mask.sum(1)
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    hidden = case["hidden"].clone().requires_grad_()
+    weight = case["weight"].clone().requires_grad_()
+    ids, adv, old, ref = case["ids"], case["advantages"], case["old_logprobs"], case["ref_logprobs"]
+
+    def loss(flat):
+        h, i = (hidden[mask], ids[mask]) if flat else (hidden, ids)
+        m, o, r = (x[mask] if flat else x for x in (case["mask"], old, ref))
+        a = adv.unsqueeze(1) if flat else adv
+        keywords = dict(options, cu_seqlens=cu_seqlens) if flat else dict(options)
+        if op == "policy_loss":
+            logits = (h @ weight.T + case["bias"]).view(-1, i.shape[-1], weight.shape[0])  # [B, T, V] or [1, Na, V]
+            logp, entropy = grpo_fast.token_logprobs(logits, i.view(logits.shape[:2]), return_entropy=True)
+            keywords.pop("return_entropy")
+            logp, entropy = (logp[0], entropy[0]) if flat else (logp, entropy)
+            return grpo_fast.policy_loss(logp, a, m, o, r, entropy=entropy, **keywords)
+        return grpo_fast.fused_linear_grpo_loss(h, weight, i, a, m, o, r, bias=case["bias"], chunk_size=3, **keywords)
+
+    outs, grads = [], []
+    for flat in (False, True):
+        out = loss(flat)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.loss, (hidden, weight)))
+    assert rel_err(outs[1].loss, outs[0].loss) < 1e-6
+    for name in METRICS:
+        assert abs(getattr(outs[1], name).item() - getattr(outs[0], name).item()) < 1e-6, name
+    for got, want in zip(grads[1], grads[0]):
+        assert want.abs().max() > 0 and rel_err(got, want) < 1e-6
+
+
+def test_flat_rows_bad_input():
+    case = make_case()
+    h, w, ids = case["hidden"].reshape(15, -1), case["weight"], case["ids"].reshape(15)
+    adv = torch.randn(15)
+    fn = grpo_fast.fused_linear_grpo_loss
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0, end at the token count 15"):
+        fn(h, w, ids, adv, cu_seqlens=torch.tensor([0, 4, 14]))
+    with pytest.raises(ValueError, match=r"advantages must have shape \[15\] or \[2, 1\]"):
+        fn(h, w, ids, torch.randn(2), cu_seqlens=torch.tensor([0, 4, 15]))
+    with pytest.raises(ValueError, match=r"hidden must have 2 dimensions"):
+        fn(h.unsqueeze(0), w, ids, adv, cu_seqlens=torch.tensor([0, 4, 15]))
+    with pytest.raises(TypeError, match=r"cu_seqlens must be an integer tensor"):
+        fn(h, w, ids, adv, cu_seqlens=torch.tensor([0.0, 15.0]))

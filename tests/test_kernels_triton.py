@@ -216,12 +216,10 @@ def test_fused_loss_single_token_rows(V):
 
 def test_fused_loss_launch_knobs():
     """Fewer programs than rows (each loops over rows), other warps and blocks: same numbers."""
-    from grpo_fast.ops.grpo_loss import fused_grpo_loss
-
     batch = make_batch(3, 5, 2 * BLOCK + 3, strided=True, seed=10)
     want, want_grad = loss_and_grad(reference.grpo_loss, batch, torch.float64, beta=0.04, return_entropy=True)
     for knobs in (dict(programs=4), dict(programs=1, warps=2, block_v=32)):
-        out, grad = loss_and_grad(fused_grpo_loss, to_device(batch), beta=0.04, return_entropy=True, **knobs)
+        out, grad = loss_and_grad(grpo_fast.grpo_loss, to_device(batch), beta=0.04, return_entropy=True, launch=knobs)
         assert rel_err(out.loss.cpu(), want.loss) < 1e-5 and rel_err(grad.cpu(), want_grad) < 1e-5
         assert rel_err(out.entropy.cpu(), want.entropy) < 1e-5
 

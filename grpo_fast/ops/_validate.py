@@ -45,13 +45,12 @@ def check_temperature(temperature) -> None:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
-def check_token_tensor(name: str, x, B: int, T: int, *, allow_sequence: bool) -> None:
-    """A per-token tensor [B, T], or per-sequence [B] when ``allow_sequence``."""
+def check_token_tensor(name: str, x, shapes: list) -> None:
+    """A per-token (or per-sequence) tensor of one of ``shapes``, or None."""
     if x is None:
         return
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    shapes = [(B, T), (B,)] if allow_sequence else [(B, T)]
     if tuple(x.shape) not in shapes:
         expected = " or ".join(str(list(s)) for s in shapes)
         raise ValueError(f"{name} must have shape {expected}, got {list(x.shape)}")
@@ -59,18 +58,46 @@ def check_token_tensor(name: str, x, B: int, T: int, *, allow_sequence: bool) ->
         raise TypeError(f"{name} must be real, got {x.dtype}")
 
 
-def check_loss_batch(B: int, T: int, config: LossConfig, inputs) -> None:
-    """Checks a call's per-token inputs (``ops._policy.LossInputs``) against the token grid [B, T]."""
-    advantages, mask, old_logprobs, ref_logprobs, importance_weights, n = inputs
+def check_cu_seqlens(cu_seqlens, num_tokens: int, device) -> None:
+    """cu_seqlens: integer [n + 1], 0 first, ``num_tokens`` last, non-decreasing."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or len(cu_seqlens) < 1:
+        raise ValueError(f"cu_seqlens must have shape [n + 1] (sequence boundaries), got {list(cu_seqlens.shape)}")
+    if cu_seqlens.device != torch.device(device):
+        raise ValueError(f"cu_seqlens must be on the tokens' device {device}, got {cu_seqlens.device}")
+    if cu_seqlens.is_cuda:  # a host-side check would synchronise the stream
+        return
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != num_tokens or bool((cu_seqlens.diff() < 0).any()):
+        raise ValueError(
+            f"cu_seqlens must start at 0, end at the token count {num_tokens} and never decrease, got "
+            f"{cu_seqlens.tolist()}"
+        )
+
+
+def check_loss_batch(shape, config: LossConfig, inputs) -> None:
+    """Checks a call's per-token inputs (``ops.policy.LossInputs``) against the token shape:
+    a [B, T] grid, or flat [Nc] rows of n = len(cu_seqlens) - 1 sequences."""
+    advantages, mask, old_logprobs, ref_logprobs, importance_weights, n, cu_seqlens = inputs
+    if cu_seqlens is None:
+        B, T = shape
+        token, per_sequence = [(B, T)], [(B, T), (B,)]
+        token_shape = "[B, T]"
+    else:
+        (N,) = shape
+        token, per_sequence = [(N,)], [(N,), (len(cu_seqlens) - 1, 1)]
+        token_shape = "[Nc]"
     if advantages is None:
-        raise ValueError("advantages is required: [B] per sequence or [B, T] per token")
-    check_token_tensor("advantages", advantages, B, T, allow_sequence=True)
-    check_token_tensor("mask", mask, B, T, allow_sequence=False)
-    check_token_tensor("old_logprobs", old_logprobs, B, T, allow_sequence=False)
-    check_token_tensor("ref_logprobs", ref_logprobs, B, T, allow_sequence=False)
-    check_token_tensor("importance_weights", importance_weights, B, T, allow_sequence=True)
+        raise ValueError(f"advantages is required: per sequence or per token {token_shape}")
+    check_token_tensor("advantages", advantages, per_sequence)
+    check_token_tensor("mask", mask, token)
+    check_token_tensor("old_logprobs", old_logprobs, token)
+    check_token_tensor("ref_logprobs", ref_logprobs, token)
+    check_token_tensor("importance_weights", importance_weights, per_sequence)
     if config.beta != 0 and ref_logprobs is None:
-        raise ValueError(f"ref_logprobs [B, T] is required when beta != 0 (beta={config.beta})")
+        raise ValueError(f"ref_logprobs {token_shape} is required when beta != 0 (beta={config.beta})")
     if n is None:
         return
     if isinstance(n, torch.Tensor):

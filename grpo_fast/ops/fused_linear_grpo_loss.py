@@ -1,9 +1,10 @@
 """fused_linear_grpo_loss: the GRPO loss from the last hidden states and the LM head, without
-ever holding the [B, T, V] logits; fused_linear_token_logprobs: the same sweep for log-probs only.
+ever holding the [B, T, V] logits.
 
-Order: the chunk steps, the autograd.Function, the public functions. The vocabulary-sized
-work of a chunk is the token_logprobs kernels (Triton on CUDA, the chunked torch path on
-CPU); the per-token policy math is ``ops/_policy.py``, as in grpo_loss.
+Order: the chunk steps (shared with ``fused_linear_token_logprobs``), the autograd.Function,
+the public functions. The vocabulary-sized work of a chunk is the token_logprobs kernels
+(Triton on CUDA, the chunked torch path on CPU); the per-token policy math is
+``ops/policy.py``, as in grpo_loss, and runs once per token.
 
 For a chunk of n token rows h [n, H], with W [V, H], tau the temperature and g = dL/dlogp:
 
@@ -18,16 +19,21 @@ With token-level ratios g at a token depends on that token's logp only (the norm
 depend on the mask alone), so it is known as soon as its chunk's logp is: the forward sweeps
 the vocabulary once, computing every gradient (three matmuls, as many as an eager forward
 and backward), and the backward only scales them by dL/dloss. GSPO's sequence-level ratio
-couples the tokens of a row: there the forward sweeps once for logp, forms g on the whole
-[B, T] grid, and sweeps again, recomputing the logits, for the gradients (four matmuls).
+couples the tokens of a row: there the forward sweeps once for logp, forms g for every
+token, and sweeps again, recomputing the logits, for the gradients (four matmuls).
+
+The tokens are flat rows h [N, H] throughout: a packed forward's [Nc, H] as they come (with
+their sequence boundaries ``cu_seqlens``), or a [B, T] grid's active tokens.
 """
+
+from typing import NamedTuple
 
 import torch
 
 from grpo_fast import reference
 from grpo_fast.ops._backend import select_backend
-from grpo_fast.ops._policy import LossInputs, PolicyBatch, logp_grad, policy_loss
-from grpo_fast.ops._validate import check_ids, check_temperature, check_tensor, loss_options
+from grpo_fast.ops._validate import check_cu_seqlens, check_ids, check_temperature, check_tensor, loss_options
+from grpo_fast.ops.policy import Evaluation, LossInputs, PolicyBatch
 from grpo_fast.ops.token_logprobs import _kernels
 from grpo_fast.outputs import LossOutput
 from grpo_fast.spec import LossConfig, accumulate_dtype
@@ -35,14 +41,15 @@ from grpo_fast.spec import LossConfig, accumulate_dtype
 # Bytes of one chunk's logits [n, V] by default. Every chunk re-reads and re-writes the
 # [V, H] weight gradient, so chunks must be tall for the matmuls to run near peak; a GPU
 # needs taller ones than a CPU. Either way it is a small, fixed fraction of [B*T, V].
-CHUNK_BYTES = {"cuda": 1 << 30, "cpu": 256 << 20}
+# (Not token_logprobs' CHUNK_BYTES, a per-thread budget of its float32 scratch.)
+LOGITS_CHUNK_BYTES = {"cuda": 1 << 30, "cpu": 256 << 20}
 
 
 def _chunk_rows(N: int, V: int, itemsize: int, device: torch.device, chunk_size: int | None) -> int:
     """Token rows per chunk: ``chunk_size`` if given, else the byte budget split evenly over N."""
     if chunk_size is not None:
         return chunk_size
-    rows = max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cpu"]) // (V * itemsize))
+    rows = max(1, LOGITS_CHUNK_BYTES.get(device.type, LOGITS_CHUNK_BYTES["cpu"]) // (V * itemsize))
     n_chunks = max(1, -(-N // rows))
     return max(1, -(-N // n_chunks))  # equal chunks: no thin remainder that would run a slow matmul
 
@@ -119,98 +126,89 @@ def _logprobs_sweep(hidden2d, weight, bias, ids, temperature, rows, backend, ret
     return logp, lse, entropy
 
 
-def _scatter(values: torch.Tensor, idx: torch.Tensor, N: int, compact: bool) -> torch.Tensor:
-    """values [Na] of the active tokens at their flat positions idx of an [N] zero vector."""
-    return values.new_zeros(N).index_copy_(0, idx, values) if compact else values
+class TokenValues(NamedTuple):
+    """The per-token values behind a fused loss, flat over the swept tokens [Na] (all of them
+    for flat rows; the active ones of a grid): log-probs and entropy (None unless asked),
+    detached; the policy math's :class:`~grpo_fast.ops.policy.Evaluation` and the prepared
+    :class:`~grpo_fast.ops.policy.PolicyBatch` of those tokens."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None
+    evaluation: Evaluation
+    batch: PolicyBatch
 
 
 class FusedLinearGRPOFunction(torch.autograd.Function):
-    """(hidden [B, T, H], weight [V, H], bias [V] or None) -> (loss, logp [B, T][, entropy]).
+    """(hidden [Na, H], weight [V, H], bias [V] or None) -> loss, for flat token rows.
 
-    ``batch`` and ``config`` are the loss's prepared per-token inputs and options
-    (``ops/_policy.py``). The forward computes the gradients of the inputs flagged in
-    ``wanted`` for dL/dloss = 1 (see the module docstring); the backward scales them by the
-    incoming dL/dloss.
+    ``batch`` and ``config`` are the loss's prepared per-token inputs of the rows and its
+    options (``ops/policy.py``). The forward computes the gradients of the inputs flagged in
+    ``wanted`` for dL/dloss = 1 (see the module docstring) and puts the per-token values in
+    ``out`` (a list, given empty: :class:`TokenValues`); the backward scales the gradients
+    by the incoming dL/dloss.
     """
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, ids, batch, config, return_entropy, chunk_size, wanted, fp32_weight_grad, backend
+        ctx, hidden, weight, bias, ids, batch, config, return_entropy, chunk_size, wanted, fp32_weight_grad, backend, out
     ):
-        B, T, H = hidden.shape
-        N = B * T
+        N = hidden.shape[0]
         temperature = float(config.temperature)
         _, bwd = _kernels(backend)
-        # Only active (mask != 0) tokens are swept: padding costs no matmul and no vocabulary
-        # pass. idx [Na] are their flat positions; the sweep works on [Na] rows throughout,
-        # in chunks split evenly over them.
-        idx = batch.mask.reshape(-1).nonzero().squeeze(1)
-        compact = idx.numel() < N
-        rows = _chunk_rows(idx.numel(), weight.shape[0], hidden.element_size(), hidden.device, chunk_size)
-        h = hidden.reshape(N, H)[idx] if compact else hidden.reshape(N, H)  # [Na, H]
-        tok = ids.reshape(-1)[idx] if compact else ids.reshape(-1)  # [Na]
-        tokens = batch.take(idx)  # the per-token inputs of those rows, flat [Na]
-        grads = _grad_buffers(h, weight, bias, wanted, fp32_weight_grad)
-        # With token-level ratios a token's dL/dlogp depends on its own logp only: known per chunk.
-        one_sweep = any(wanted) and config.importance_sampling == "token"
+        rows = _chunk_rows(N, weight.shape[0], hidden.element_size(), hidden.device, chunk_size)
+        grads = _grad_buffers(hidden, weight, bias, wanted, fp32_weight_grad)
+        want_grad = any(wanted)
+        token_level = config.importance_sampling == "token"
+        # With token-level ratios a token's loss term and dL/dlogp depend on its own logp only:
+        # the policy math runs per chunk, once per token, and the gradients follow at once.
+        w = torch.empty(N, dtype=accumulate_dtype(hidden), device=hidden.device)
+        kl = None if batch.ref is None else torch.empty_like(w)
+        partial_sums = []
 
-        def backward_now(z, r, logp_rows, lse_rows):
-            g = logp_grad(logp_rows, tokens.rows(r), config)
-            _chunk_backward(z, tok[r], lse_rows, g, temperature, h[r], weight, bwd, grads, r)
+        def evaluate_chunk(z, r, logp_rows, lse_rows):
+            ev = batch.take(r).evaluate(logp_rows, config, grad=want_grad)
+            partial_sums.append(ev.terms.sum())
+            w[r] = ev.w
+            if kl is not None:
+                kl[r] = ev.kl
+            if want_grad:
+                _chunk_backward(z, ids[r], lse_rows, ev.grad, temperature, hidden[r], weight, bwd, grads, r)
 
-        logp_a, lse, entropy_a = _logprobs_sweep(
-            h,
-            weight,
-            bias,
-            tok,
-            temperature,
-            rows,
-            backend,
-            return_entropy,
-            on_chunk=backward_now if one_sweep else None,
+        logp, lse, entropy = _logprobs_sweep(
+            hidden, weight, bias, ids, temperature, rows, backend, return_entropy, evaluate_chunk if token_level else None
         )
-        logp = _scatter(logp_a, idx, N, compact).view(B, T)  # 0 on padding
-        if any(wanted) and not one_sweep:  # sequence-level ratios: g needs every logp first
-            g = logp_grad(logp, batch, config).view(-1)[idx]
-            for r in _chunks(idx.numel(), rows):
-                z = _chunk_logits(h[r], weight, bias)
-                _chunk_backward(z, tok[r], lse[r], g[r], temperature, h[r], weight, bwd, grads, r)
-
-        grad_hidden, grad_weight, grad_bias = grads
-        if grad_hidden is not None and compact:
-            grad_hidden = torch.zeros_like(hidden.reshape(N, H)).index_copy_(0, idx, grad_hidden)
-        ctx.grads = grad_hidden, grad_weight, grad_bias
-        ctx.hidden_shape = hidden.shape
-        loss = policy_loss(logp, batch, config).loss
-        ctx.mark_non_differentiable(logp)
-        if entropy_a is None:
-            return loss, logp
-        entropy = _scatter(entropy_a, idx, N, compact).view(B, T)
-        ctx.mark_non_differentiable(entropy)
-        return loss, logp, entropy
+        if token_level:
+            loss = torch.stack(partial_sums).sum() if partial_sums else logp.new_zeros(())
+            ev = Evaluation(None, None, w, None, kl)
+        else:  # sequence-level ratios: dL/dlogp needs every logp first; a second sweep for the gradients
+            ev = batch.evaluate(logp, config, grad=want_grad)
+            loss = ev.terms.sum()
+            if want_grad:
+                for r in _chunks(N, rows):
+                    z = _chunk_logits(hidden[r], weight, bias)
+                    _chunk_backward(z, ids[r], lse[r], ev.grad[r], temperature, hidden[r], weight, bwd, grads, r)
+            ev = ev._replace(terms=None, grad=None)
+        out.append(TokenValues(logp, entropy, ev, batch))
+        ctx.grads = grads
+        return loss
 
     @staticmethod
-    def backward(ctx, grad_loss, *unused_grads):
+    def backward(ctx, grad_loss):
         if ctx.grads is None:
             raise RuntimeError(
                 "fused_linear_grpo_loss computes its gradients once, in the forward: a second backward through "
                 "the same loss (retain_graph=True) is not supported; compute the loss again instead"
             )
-        grad_hidden, grad_weight, grad_bias = ctx.grads
-        ctx.grads = None  # the buffers are this call's own: scale them in place, then let go
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.mul_(grad_loss).view(ctx.hidden_shape)
-        if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_loss)
-        if grad_bias is not None:
-            grad_bias = grad_bias.mul_(grad_loss)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+        grads = tuple(None if g is None else g.mul_(grad_loss) for g in ctx.grads)
+        ctx.grads = None  # the buffers are this call's own: scaled in place, then let go
+        return *grads, None, None, None, None, None, None, None, None, None
 
 
-def _check_linear(hidden, weight, bias, ids, temperature, chunk_size) -> None:
-    check_tensor("hidden", hidden, 3)
+def check_linear(hidden, weight, bias, ids, temperature, chunk_size, *, flat: bool = False) -> None:
+    """The LM-head operands: hidden [B, T, H] and ids [B, T], or with ``flat`` [Nc, H] and [Nc]."""
+    check_tensor("hidden", hidden, 2 if flat else 3)
     check_tensor("weight", weight, 2)
-    B, T, H = hidden.shape
+    H = hidden.shape[-1]
     V = weight.shape[0]
     if weight.shape[1] != H:
         raise ValueError(f"weight must have shape [V, H] with H = hidden.shape[-1] = {H}, got {list(weight.shape)}")
@@ -225,18 +223,21 @@ def _check_linear(hidden, weight, bias, ids, temperature, chunk_size) -> None:
     for name, x in (("weight", weight), ("bias", bias), ("ids", ids)):
         if isinstance(x, torch.Tensor) and x.device != hidden.device:
             raise ValueError(f"{name} must be on hidden's device {hidden.device}, got {x.device}")
-    check_ids(ids, (B, T), V)
+    check_ids(ids, hidden.shape[:-1], V)
     check_temperature(temperature)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int (token rows per chunk) or None, got {chunk_size!r}")
 
 
 def _check_call(hidden, weight, bias, ids, inputs: LossInputs, config: LossConfig, chunk_size) -> None:
-    _check_linear(hidden, weight, bias, ids, config.temperature, chunk_size)
-    inputs.check(hidden.shape[0], hidden.shape[1], config)
+    flat = inputs.cu_seqlens is not None
+    check_linear(hidden, weight, bias, ids, config.temperature, chunk_size, flat=flat)
+    if flat:
+        check_cu_seqlens(inputs.cu_seqlens, hidden.shape[0], hidden.device)
+    inputs.check(hidden.shape[:-1], config)
 
 
-def fused_linear_loss_parts(
+def fused_linear_loss_with_tokens(
     hidden,
     weight,
     bias,
@@ -244,25 +245,36 @@ def fused_linear_loss_parts(
     inputs: LossInputs,
     config: LossConfig,
     *,
-    return_entropy,
+    return_entropy=False,
     chunk_size=None,
     fp32_weight_grad=True,
-):
-    """The fused loss with the per-token values :func:`fused_linear_grpo_loss` reduces to
-    metrics: ``(loss, logp [B, T], entropy [B, T] or None, batch)``, logp and entropy detached
-    and 0 on padding, ``batch`` the prepared :class:`PolicyBatch`. Checks its inputs as the
-    public op does; runs the fused kernels whatever the backend (the reference is the public
-    op's). For callers that keep the per-token values (the trainer's first pass records its
-    log-probs; TRL's metrics are per sequence) without a second sweep of the vocabulary."""
+) -> tuple:
+    """:func:`fused_linear_grpo_loss` (checks included; the fused kernels whatever the
+    backend) with the per-token values behind it: ``(LossOutput, TokenValues)``, for callers
+    that keep them (the trainer records its first pass's log-probs; TRL's metrics are per
+    sequence) without a second sweep of the vocabulary or of the policy math.
+
+    Flat rows (``inputs.cu_seqlens`` given: hidden [Nc, H], ids and per-token inputs [Nc])
+    are swept as they are. A grid (hidden [B, T, H]) sweeps its active (mask != 0) tokens
+    only, so padding costs no matmul: their positions are found with ``nonzero`` (a host
+    sync on CUDA), and the values of :class:`TokenValues` are those tokens' [Na].
+    """
     _check_call(hidden, weight, bias, ids, inputs, config, chunk_size)
-    B, T, _ = hidden.shape
-    batch = PolicyBatch.prepare(config, (B, T), accumulate_dtype(hidden), hidden.device, inputs)
+    batch = PolicyBatch.prepare(config, hidden.shape[:-1], accumulate_dtype(hidden), hidden.device, inputs)
+    h, tok = hidden, ids
+    if inputs.cu_seqlens is None:
+        N = ids.numel()
+        h, tok = hidden.reshape(N, hidden.shape[-1]), ids.reshape(N)
+        if inputs.mask is not None:
+            active = batch.mask.nonzero().squeeze(1)
+            h, tok, batch = h[active], tok[active], batch.take(active)  # indexing h scatters its gradient back
     wanted = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (hidden, weight, bias))
-    loss, logp, *entropy = FusedLinearGRPOFunction.apply(
-        hidden,
+    values = []
+    loss = FusedLinearGRPOFunction.apply(
+        h,
         weight,
         bias,
-        ids,
+        tok,
         batch,
         config,
         return_entropy,
@@ -270,63 +282,11 @@ def fused_linear_loss_parts(
         wanted,
         fp32_weight_grad,
         select_backend(hidden),
+        values,
     )
-    return loss, logp, (entropy[0] if return_entropy else None), batch
-
-
-def loss_output(loss, logp, entropy, batch: PolicyBatch, config: LossConfig) -> LossOutput:
-    """:func:`fused_linear_grpo_loss`'s result from :func:`fused_linear_loss_parts`' values:
-    ``loss`` with the metrics of the per-token values."""
-    with torch.no_grad():
-        metrics = policy_loss(logp, batch, config, entropy)
-    return metrics._replace(loss=loss)
-
-
-def fused_linear_token_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    ids: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    chunk_size: int | None = None,
-):
-    """Per-token log-probs of ``ids`` under the LM head, ``log_softmax((hidden @ weight.T + bias) / temperature)``
-    gathered at ``ids``, without holding the [B, T, V] logits. No gradient: for the old-policy
-    and reference log-probs of a GRPO step.
-
-    Args:
-        hidden: [B, T, H] last hidden states, fp16/bf16/fp32/fp64; position t predicts ``ids[:, t]``.
-        weight: [V, H] LM-head weight, the dtype of ``hidden``.
-        ids: [B, T] integer token ids in [0, V).
-        bias: [V] or None.
-        temperature: > 0; the logits are divided by it before the softmax.
-        return_entropy: also return the per-token entropy [B, T].
-        chunk_size: token rows per chunk (default: a fixed byte budget for the chunk's logits).
-
-    Returns:
-        logp [B, T] float32 (float64 for float64 inputs), detached; with ``return_entropy``,
-        ``(logp, entropy)``.
-
-    Example:
-        >>> hidden = ref_model.model(input_ids).last_hidden_state[:, prompt_len - 1 : -1]
-        >>> ref_logp = fused_linear_token_logprobs(hidden, ref_model.lm_head.weight, completion_ids)
-    """
-    _check_linear(hidden, weight, bias, ids, temperature, chunk_size)
-    B, T, H = hidden.shape
-    V = weight.shape[0]
-    backend = select_backend(hidden)
-    with torch.no_grad():
-        if backend == "reference":
-            logits = _chunk_logits(hidden.reshape(B * T, H), weight, bias).view(B, T, V)
-            return reference.token_logprobs(logits, ids, temperature=temperature, return_entropy=return_entropy)
-        rows = _chunk_rows(B * T, V, hidden.element_size(), hidden.device, chunk_size)
-        logp, _, entropy = _logprobs_sweep(
-            hidden.reshape(B * T, H), weight, bias, ids.reshape(-1), float(temperature), rows, backend, return_entropy
-        )
-    logp = logp.view(B, T)
-    return (logp, entropy.view(B, T)) if return_entropy else logp
+    (tokens,) = values
+    out = LossOutput(loss, **batch.metrics(tokens.evaluation, config, tokens.entropy))
+    return out, tokens
 
 
 @loss_options
@@ -345,10 +305,12 @@ def fused_linear_grpo_loss(
     num_items_in_batch=None,
     importance_weights: torch.Tensor | None = None,
     return_entropy: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
     loss_config: LossConfig | None = None,
 ) -> LossOutput:
     """The GRPO loss of :func:`grpo_fast.grpo_loss` on the logits ``hidden @ weight.T + bias``,
-    computed chunk by chunk so that the [B, T, V] logits never exist.
+    computed chunk by chunk so that the [B, T, V] logits never exist; from a [B, T] grid, or
+    from the flat token rows [Nc] of packed sequences.
 
     Peak extra memory is one chunk of logits plus the gradients themselves (the weight
     gradient in float32 for 16-bit weights), whatever B * T * V is. The gradients of hidden,
@@ -366,11 +328,16 @@ def fused_linear_grpo_loss(
         advantages, mask, old_logprobs, ref_logprobs: as in :func:`grpo_fast.grpo_loss`.
         bias: [V] LM-head bias, or None.
         chunk_size: token rows per chunk; default: a fixed byte budget for one chunk's
-            logits (256 MiB on CPU, 1 GiB on CUDA), split evenly over the active tokens.
+            logits (``LOGITS_CHUNK_BYTES``: 256 MiB on CPU, 1 GiB on CUDA), split evenly over
+            the swept tokens.
         fp32_weight_grad: accumulate the weight gradient over chunks in float32 when the
             weight is fp16/bf16 (one [V, H] float32 buffer); False accumulates in its dtype.
         num_items_in_batch, importance_weights, return_entropy, loss_config: as in
             :func:`grpo_fast.grpo_loss`.
+        cu_seqlens: [n + 1] integer sequence boundaries when the tokens are flat rows (as
+            :func:`grpo_fast.policy_loss`): hidden [Nc, H], ids, mask, old and reference
+            log-probs [Nc], advantages and importance weights [Nc] or [n, 1] per sequence. No
+            padding is swept; a padded grid's inactive tokens are skipped too, found on the host.
         {loss_options}
 
     Returns:
@@ -383,9 +350,11 @@ def fused_linear_grpo_loss(
         >>> out.loss.backward()
     """
     config = loss_config
-    inputs = LossInputs(advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
-    if select_backend(hidden) != "reference":
-        parts = fused_linear_loss_parts(
+    inputs = LossInputs(
+        advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch, cu_seqlens
+    )
+    if select_backend(hidden) != "reference" or cu_seqlens is not None:
+        out, _ = fused_linear_loss_with_tokens(
             hidden,
             weight,
             bias,
@@ -396,7 +365,7 @@ def fused_linear_grpo_loss(
             chunk_size=chunk_size,
             fp32_weight_grad=fp32_weight_grad,
         )
-        return loss_output(*parts, config)
+        return out
     _check_call(hidden, weight, bias, ids, inputs, config, chunk_size)
     B, T, H = hidden.shape
     logits = _chunk_logits(hidden.reshape(B * T, H), weight, bias).view(B, T, weight.shape[0])

@@ -4,7 +4,7 @@ Two paths. On CUDA with token-level ratios, one Triton launch computes the loss,
 metrics and dL/dlogits together (:class:`FusedGradFunction` attaches that gradient, which
 backward only rescales). Otherwise the vocabulary-sized work is :class:`TokenLogprobsFunction`
 (one chunked or Triton pass forward, one backward, no [B, T, V] float32 temporaries) and the
-per-token policy math runs on [B, T] tensors (``ops/_policy.py``), which costs nothing next
+per-token policy math runs on the flat [B * T] tokens (``ops/policy.py``), which costs nothing next
 to the vocabulary sweep. Every option and per-loss-type rule comes from the loss spec
 (``grpo_fast/spec.py``).
 """
@@ -13,8 +13,8 @@ import torch
 
 from grpo_fast import reference
 from grpo_fast.ops._backend import select_backend
-from grpo_fast.ops._policy import LossInputs, PolicyBatch, policy_loss
 from grpo_fast.ops._validate import check_ids, check_tensor, loss_options
+from grpo_fast.ops.policy import LossInputs, PolicyBatch
 from grpo_fast.ops.token_logprobs import TokenLogprobsFunction
 from grpo_fast.outputs import LossOutput
 from grpo_fast.spec import LossConfig, accumulate_dtype
@@ -51,7 +51,7 @@ def _one_launch(logits, ids, batch: PolicyBatch, config: LossConfig, return_entr
         grad = logits.detach() if inplace_backward else torch.empty_like(logits)
     with torch.no_grad():
         pieces = grpo_loss_fwd(
-            logits.detach(), ids, batch.flat(), config, grad, return_entropy=return_entropy, **launch
+            logits.detach(), ids, batch, config, grad, return_entropy=return_entropy, **launch
         )
     # Every reduction in one call: the weighted loss terms, then the metrics' masked sums.
     sums = pieces.sum(dim=1)
@@ -121,7 +121,7 @@ def grpo_loss(
     B, T, V = logits.shape
     check_ids(ids, (B, T), V)
     inputs = LossInputs(advantages, mask, old_logprobs, ref_logprobs, importance_weights, num_items_in_batch)
-    inputs.check(B, T, config)
+    inputs.check((B, T), config)
     backend = "triton" if launch is not None else select_backend(logits)
     if backend == "reference":
         return inputs.run_reference(reference.grpo_loss, logits, ids, config=config, return_entropy=return_entropy)
@@ -136,12 +136,5 @@ def grpo_loss(
         )
     out = TokenLogprobsFunction.apply(logits, ids, float(config.temperature), return_entropy, inplace_backward, backend)
     logp, entropy = out if return_entropy else (out, None)
-    return policy_loss(logp, batch, config, entropy)
+    return batch.loss(logp.reshape(-1), config, None if entropy is None else entropy.reshape(-1))
 
-
-def fused_grpo_loss(
-    *args, block_v: int | None = None, programs: int | None = None, warps: int | None = None, **kwargs
-) -> LossOutput:
-    """:func:`grpo_loss` (same arguments) on the one-launch Triton kernel with its launch
-    knobs: ``block_v`` (vocabulary block), ``programs`` (rows in flight) and ``warps``."""
-    return grpo_loss(*args, launch=dict(block_v=block_v, programs=programs, warps=warps), **kwargs)

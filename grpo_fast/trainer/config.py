@@ -89,6 +89,9 @@ class GRPOConfig(LossConfig):
     precision: str = option("auto", "auto = bf16 autocast on CUDA, fp32 on CPU; or bf16, fp32")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
     fused_linear: bool = option(False, "compute the loss from hidden states and the LM head (fused_linear_grpo_loss)")
+    log_entropy: bool = option(
+        True, "log the policy's mean token entropy (False: on CPU each chunk takes two vocabulary passes, not five)"
+    )
     lora_r: int = option(0, "> 0 trains a peft LoRA of this rank; the reference is the model with adapters off")
     lora_alpha: int = option(16, "LoRA alpha")
     lora_target_modules: list = option(["q_proj", "k_proj", "v_proj", "o_proj"], "modules LoRA adapts")

@@ -144,14 +144,6 @@ class Ranks:
         size = count // self.world_size
         return slice(self.rank * size, (self.rank + 1) * size)
 
-    def sum_metrics(self, sums: dict) -> dict:
-        """Per-key sums of floats over ranks; a key is None when it is None on any rank."""
-        if self.world_size == 1:
-            return sums
-        rows = [[0.0 if v is None else float(v), float(v is None)] for v in sums.values()]
-        totals = self.sum(torch.tensor(rows, dtype=torch.float64)).tolist()
-        return {key: None if none else value for key, (value, none) in zip(sums, totals)}
-
     def gather_rows(self, x: torch.Tensor) -> tuple:
         """``(every rank's rows of x, in rank order, on x's device; the index of this rank's first
         row)``. Ranks may hold different numbers of rows; the other dimensions must agree."""
@@ -265,7 +257,3 @@ def gathered(module: torch.nn.Module):
         for unit in inner:
             unit.set_reshard_after_forward(True, recurse=False)
 
-
-def value(x: torch.Tensor) -> float:
-    """A 0-dim tensor's value; a DTensor (FSDP2's gradient norm) is reduced first."""
-    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from grpo_fast import group_advantages
-from grpo_fast.ops._policy import LossInputs
+from grpo_fast.ops.policy import LossInputs
 from grpo_fast.outputs import GroupAdvantages
 from grpo_fast.spec import SAMPLING_CORRECTIONS, sampling_correction
 from grpo_fast.tasks import load_rows, resolve_rewards
@@ -54,7 +54,15 @@ from grpo_fast.trainer import distributed, evaluation, run_log, trackers
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.generators import make_generator
 from grpo_fast.trainer.packed_policy import PackedPolicy, filler
-from grpo_fast.trainer.packing import Packed, flash_attention_available, micro_batches, pack, packed_attention
+from grpo_fast.trainer.packing import (
+    Packed,
+    flash_attention_available,
+    micro_batches,
+    pack,
+    packed_attention,
+    row_lengths,
+    to_grid,
+)
 from grpo_fast.trainer.rollout import (
     Rollout,
     concat_rollouts,
@@ -203,7 +211,7 @@ class GRPOTrainer:
         policy, whose reference is itself with adapters off)."""
         config = self.config
         self.filler = filler(self.device)
-        self.packed_policy = PackedPolicy(self.policy, self.loss_config, bf16=self.bf16)
+        self.packed_policy = PackedPolicy(self.policy, self.loss_config, bf16=self.bf16, entropy=config.log_entropy)
         self.train_module = distributed.wrap(self.packed_policy, config.parallel, self.device, bf16=self.bf16)
         self.reference_module = None
         if self.reference is self.policy:
@@ -278,7 +286,7 @@ class GRPOTrainer:
     # ---------------------------------------------------------------- one step
     def make_rollout(self) -> Rollout:
         """The step's experience: samples, rewards, and the reference log-probs (beta != 0)."""
-        batch = self.sample_groups()
+        batch = self.pack_batch(self.sample_groups())
         if batch.sampling_logprobs is not None and self.config.sampling_correction is not None:
             batch = self.correct_sampling(batch)
         if self.reference is not None and self.ranks.sum(batch.input_ids.shape[0]):
@@ -356,62 +364,86 @@ class GRPOTrainer:
 
     def micro_batches(self, batch: Rollout) -> list:
         """The batch's rows packed into micro-batches of at most max_tokens_per_micro_batch
-        tokens (and micro_batch_size rows): :class:`~grpo_fast.trainer.packing.Packed` each."""
+        tokens (and micro_batch_size rows): :class:`~grpo_fast.trainer.packing.Packed` each;
+        ``batch.packed`` when set (``pack_batch``). One read of the rows' lengths to the host."""
+        if batch.packed is not None:
+            return batch.packed
         config, C = self.config, batch.completion_mask.shape[1]
-        lengths = batch.attention_mask.sum(1).tolist()
-        slices = micro_batches(lengths, config.max_tokens_per_micro_batch, config.micro_batch_size)
-        return [pack(batch.input_ids, batch.attention_mask, C, rows) for rows in slices]
+        lengths = row_lengths(batch.attention_mask, C)
+        slices = micro_batches([total for total, _ in lengths], config.max_tokens_per_micro_batch, config.micro_batch_size)
+        return [pack(batch.input_ids, batch.attention_mask, C, rows, lengths[rows]) for rows in slices]
+
+    def pack_batch(self, batch: Rollout) -> Rollout:
+        """``batch`` with its micro-batches packed once, for every pass of the step."""
+        return dataclasses.replace(batch, packed=self.micro_batches(batch))
 
     def compute_advantages(self, batch: Rollout) -> Rollout:
         """GRPO's critic-free advantages: each reward relative to its group's. They are computed
         from every rank's rewards [N_global, K] (a few numbers a row; a group never spans ranks,
         but scale="batch" and the logged statistics are the global batch's); this rank keeps its rows."""
         config, G, N = self.config, self.config.group_size, batch.rewards.shape[0]
-        rewards, first = self.ranks.gather_rows(batch.rewards)
-        stats = group_advantages(rewards, G, scale=config.advantage_scale, reward_weights=config.reward_weights)
+        # [N_global, 1 + K]: the completion lengths travel with the rewards, for the step's log line
+        table, first = self.ranks.gather_rows(torch.cat([self._lengths(batch)[:, None], batch.rewards], 1))
+        stats = group_advantages(table[:, 1:], G, scale=config.advantage_scale, reward_weights=config.reward_weights)
         rows, groups = slice(first, first + N), slice(first // G, (first + N) // G)
         mine = GroupAdvantages(
             stats.advantages[rows], stats.rewards[rows], stats.mean[groups], stats.std[groups], stats.frac_zero_std
         )
-        return dataclasses.replace(batch, advantages=GroupAdvantages(*(t.to(self.device) for t in mine)))
+        return dataclasses.replace(
+            batch,
+            advantages=GroupAdvantages(*(t.to(self.device) for t in mine)),
+            scores=torch.cat([stats.rewards[:, None], table], 1),
+        )
+
+    @staticmethod
+    def _lengths(batch: Rollout) -> torch.Tensor:
+        """The completion lengths [N] in the rewards' dtype and device."""
+        return batch.completion_mask.sum(1).to(batch.rewards)
 
     def _loss(self, batch: Rollout, packed: Packed, num_items: torch.Tensor):
-        """``(loss output, log-probs [n, C] detached)`` of one packed micro-batch of ``batch``
-        (``PackedPolicy.forward`` through ``train_module``). Only the per-token values travel
-        to the rows' [n, C] completion grid; the logits stay packed."""
-        rows = packed.rows
-        present = batch.attention_mask[rows, -batch.completion_mask.shape[1] :].bool()  # [n, C] a token is there
+        """``(loss output, log-probs [Nc] detached)`` of one packed micro-batch of ``batch``
+        (``PackedPolicy.forward`` through ``train_module``). The per-token inputs are gathered
+        from the rollout's [N, C] grid to the packed tokens' flat rows [Nc]."""
+        rows, (row, col) = packed.rows, packed.grid
 
-        def on_grid(x):  # per-token inputs hold 0 where no token is (the loss weighs those 0)
-            return None if x is None else x[rows].masked_fill(~present, 0.0)
+        def tokens(x):  # [n, C] -> [Nc]
+            return None if x is None else x[rows][row, col]
 
+        advantages = batch.advantages.advantages[rows]  # [n] per sequence, or [n, C] (PPO)
         inputs = LossInputs(
-            batch.advantages.advantages[rows],
-            batch.completion_mask[rows],
-            on_grid(batch.old_logprobs),
-            on_grid(batch.ref_logprobs),
-            on_grid(batch.importance_weights),
+            advantages.unsqueeze(1) if advantages.dim() == 1 else tokens(batch.advantages.advantages),
+            tokens(batch.completion_mask),
+            tokens(batch.old_logprobs),
+            tokens(batch.ref_logprobs),
+            tokens(batch.importance_weights),
             num_items_in_batch=num_items,
+            cu_seqlens=packed.completion_cu_seqlens,
         )
         return self.train_module(packed, inputs, fused_linear=self.config.fused_linear)
 
-    def accumulate_gradients(self, batch: Rollout, num_items: torch.Tensor, logprobs: list | None = None) -> dict:
+    def accumulate_gradients(
+        self, batch: Rollout, num_items: torch.Tensor, logprobs: list | None = None, *, read: bool = True
+    ) -> dict:
         """Backward over ``batch`` in packed micro-batches; the summed gradient is the full
         batch's: each micro-batch's loss is weighted by the loss type's aggregation (the loss
         spec) over the global batch's row and token counts, times the world size, since DDP and
         FSDP2 average gradients over ranks. A rank with fewer micro-batches than another runs
-        fillers (loss times 0) so that the ranks' collectives match.
+        fillers (loss times 0) so that the ranks' collectives match. Nothing is read to the
+        host: the metrics accumulate on the device.
 
         Args:
-            num_items: the active-token count of the whole batch, every rank's (dapo, cispo).
+            num_items: the active-token count of the whole batch, every rank's (a tensor).
             logprobs: when a list, the policy's log-probs of each micro-batch ([n, C],
                 detached) are appended to it, in row order.
+            read: return the metrics as numbers (one host read, :meth:`read_metrics`); False
+                leaves them on the device, this rank's, for the step to read once.
 
         Returns the loss and the token-weighted means of the loss metrics over the global batch.
         """
         ranks = self.ranks
         tokens = batch.completion_mask.sum(1)  # [N]
-        total_rows, total_tokens = ranks.sum(batch.input_ids.shape[0]), ranks.sum(tokens.sum().item())
+        total_rows = ranks.sum(tokens.new_tensor(float(batch.input_ids.shape[0])))
+        total_tokens = num_items
         aggregation = self.loss_config.aggregation
         sums = dict.fromkeys(PASS_METRICS, 0.0)
         # Metrics are means over active tokens, but with sequence-level ratios the clip flags are
@@ -426,26 +458,51 @@ class GRPOTrainer:
                     (self.train_module(self.filler).sum() * 0.0).backward()
                     continue
                 rows = packed.rows
-                micro_tokens = tokens[rows].sum().item()
-                token_share, row_share = micro_tokens / max(total_tokens, 1.0), (rows.stop - rows.start) / total_rows
+                micro_tokens = tokens[rows].sum()
+                token_share = micro_tokens / total_tokens.clamp(min=1.0)
+                row_share = (rows.stop - rows.start) / total_rows
                 weight = aggregation.micro_batch_weight(
-                    rows.stop - rows.start, micro_tokens, total_rows, total_tokens, self.loss_config, num_items.item()
+                    rows.stop - rows.start, micro_tokens, total_rows, total_tokens, self.loss_config, num_items
                 )
                 out, logp = self._loss(batch, packed, num_items)
                 (out.loss * (weight * ranks.world_size)).backward()
             if logprobs is not None:
-                logprobs.append(logp)
-            sums["loss"] += out.loss.item() * weight
+                logprobs.append(to_grid(logp.unsqueeze(0), packed))
+            sums["loss"] = sums["loss"] + out.loss.detach() * weight
             for key in PASS_METRICS[1:]:
                 value, share = getattr(out, key), row_share if key in by_rows else token_share
-                sums[key] = None if value is None or sums[key] is None else sums[key] + value.item() * share
-        return ranks.sum_metrics(sums)
+                sums[key] = None if value is None or sums[key] is None else sums[key] + value * share
+        return self.read_metrics([sums])[0] if read else sums
+
+    def read_metrics(self, passes: list) -> list:
+        """The passes' metrics (dicts of 0-dim device tensors, numbers or None) as numbers, in
+        one host read: the loss metrics (``PASS_METRICS``) summed over ranks, the others (the
+        gradient norms) as they are; a loss metric is None when it is None on any rank."""
+        keys = [(i, key) for i, metrics in enumerate(passes) for key in metrics]
+        if not keys:
+            return [{} for _ in passes]
+
+        def entry(value):  # [value, is None], float64 on the device
+            if not torch.is_tensor(value):
+                return torch.tensor([0.0 if value is None else float(value), float(value is None)], device=self.device)
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value  # FSDP2's gradient norm
+            return torch.nn.functional.pad(value.detach().to(self.device, torch.float64).reshape(1), (0, 1))
+
+        table = torch.stack([entry(passes[i][key]) for i, key in keys])  # [entries, 2]
+        if self.ranks.world_size > 1:
+            summed = torch.tensor([key in PASS_METRICS for _, key in keys], device=self.device)
+            table = torch.where(summed[:, None], self.ranks.sum(table), table)
+        out = [{} for _ in passes]
+        for (i, key), (value, none) in zip(keys, table.tolist()):
+            out[i][key] = None if none else value
+        return out
 
     def optimizer_step(self) -> dict:
-        """Clips the gradient norm, steps the optimizer and the schedule, clears the gradients."""
+        """Clips the gradient norm, steps the optimizer and the schedule, clears the gradients.
+        Returns the gradient norm as a device tensor (read with the step's metrics)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        grad_norm = distributed.value(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -453,21 +510,22 @@ class GRPOTrainer:
 
     def train_step(self) -> dict:
         """One step: rollout -> advantages -> num_iterations x (backward passes -> optimizer).
-        A step whose rollout kept no group on any rank (dynamic sampling) makes no update."""
+        A step whose rollout kept no group on any rank (dynamic sampling) makes no update. The
+        training passes read nothing to the host; the step's metrics are read once, at its end."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         batch = self.make_rollout()
         if self.ranks.sum(batch.input_ids.shape[0]) == 0:
             self.step += 1
-            return self._step_metrics(batch, [], time.perf_counter() - start)
+            return self._step_metrics(batch, [], start)
         batch = self.compute_advantages(batch)
         num_items = self.ranks.sum(batch.completion_mask.sum())  # active tokens of the whole batch (dapo/cispo/bnpo)
         passes = []
         for _ in range(self.config.num_iterations):
             # The first pass runs at the sampling weights: its log-probs are the old policy's.
             record = [] if batch.old_logprobs is None and self.config.num_iterations > 1 else None
-            sums = self.accumulate_gradients(batch, num_items, record)
+            sums = self.accumulate_gradients(batch, num_items, record, read=False)
             if record is not None:
                 batch = dataclasses.replace(
                     batch, old_logprobs=torch.cat(record) if record else torch.zeros_like(batch.completion_mask)
@@ -475,37 +533,51 @@ class GRPOTrainer:
             sums.update(self.optimizer_step())
             passes.append(sums)
         self.step += 1
-        return self._step_metrics(batch, passes, time.perf_counter() - start, **self.extra_metrics(batch))
+        return self._step_metrics(batch, passes, start, **self.extra_metrics(batch))
 
     def extra_metrics(self, batch: Rollout) -> dict:
         """More of the step's log line (the PPO baseline adds the critic's)."""
         return {}
 
-    def _step_metrics(self, batch: Rollout, passes: list, elapsed: float, **extra) -> dict:
+    def _step_metrics(self, batch: Rollout, passes: list, start: float, **extra) -> dict:
         """The step's log line, over every rank's rows: rollout statistics, the mean of each
         pass metric over the num_iterations passes (None when the step made no update),
-        throughput and memory (the largest rank's peak), ``extra`` and the per-reward means."""
-        ranks, lengths = self.ranks, batch.completion_mask.sum(1)
+        throughput and memory (the largest rank's peak), ``extra`` and the per-reward means.
+        Everything the device holds is read to the host at once; the step's time ends there."""
+        ranks = self.ranks
         self.last_rollout = batch  # the completions log samples it
-        combined = lengths.new_full(lengths.shape, math.nan) if batch.advantages is None else batch.advantages.rewards
-        # [N_global, 2 + K]: the combined reward, the completion length, each reward function's score
-        table, _ = ranks.gather_rows(
-            torch.cat([combined[:, None].cpu(), lengths[:, None].cpu(), batch.rewards.cpu()], 1)
-        )
+        table = batch.scores  # [N_global, 2 + K]: the combined reward, the completion length, each reward
+        if table is None:  # no advantages were computed: gather the rewards here
+            gathered, _ = ranks.gather_rows(torch.cat([self._lengths(batch)[:, None], batch.rewards], 1))
+            table = torch.cat([torch.full_like(gathered[:, :1], math.nan), gathered], 1)
         combined, lengths, rewards = table[:, 0], table[:, 1], table[:, 2:]
-        scored = combined[~combined.isnan()]  # completions no reward function scored are left out, as TRL
+        scored = ~combined.isnan()  # completions no reward function scored are left out, as TRL
+        count = scored.sum()
+        mean = combined.nan_to_num().sum() / count
+        variance = ((combined - mean).nan_to_num() ** 2).sum() / (count - 1)
+        stats = dict(
+            scored=count,
+            reward_mean=mean,
+            reward_std=variance.sqrt(),
+            frac_reward_zero_std=None if batch.advantages is None else batch.advantages.frac_zero_std,
+            completion_len_mean=lengths.mean(),
+            tokens=ranks.sum(batch.attention_mask.sum()),
+            **{f"rewards/{name}": rewards[:, k].nanmean() for k, name in enumerate(self.reward_names)},
+        )
+        *passes, stats = self.read_metrics([*passes, stats])
+        elapsed = time.perf_counter() - start
         metrics = dict(
             step=self.step,
-            reward_mean=scored.mean().item() if len(scored) else None,
-            reward_std=scored.std().item() if len(scored) > 1 else None,
-            frac_reward_zero_std=None if batch.advantages is None else batch.advantages.frac_zero_std.item(),
+            reward_mean=stats["reward_mean"] if stats["scored"] else None,
+            reward_std=stats["reward_std"] if stats["scored"] > 1 else None,
+            frac_reward_zero_std=stats["frac_reward_zero_std"],
         )
         for key in passes[0] if passes else PASS_METRICS:
             values = [p[key] for p in passes]
             metrics[key] = None if None in values or not values else sum(values) / len(values)
         metrics.update(
-            completion_len_mean=lengths.mean().item() if len(lengths) else None,
-            tokens_per_s=ranks.sum(batch.attention_mask.sum().item()) / elapsed,
+            completion_len_mean=stats["completion_len_mean"] if len(lengths) else None,
+            tokens_per_s=stats["tokens"] / elapsed,
             step_time_s=elapsed,
             peak_mem_bytes=ranks.max(self._peak_memory()),
             learning_rate=self.scheduler.get_last_lr()[0],
@@ -515,9 +587,9 @@ class GRPOTrainer:
         )
         if self.config.dynamic_sampling:
             metrics.update(sampling_rounds=batch.sampling_rounds, groups_dropped=batch.dropped_groups)
-        for k, name in enumerate(self.reward_names):
-            column = rewards[:, k]
-            metrics[f"rewards/{name}"] = column.nanmean().item() if not column.isnan().all() else None
+        for name in self.reward_names:
+            value = stats[f"rewards/{name}"]
+            metrics[f"rewards/{name}"] = None if math.isnan(value) else value
         return metrics
 
     def _peak_memory(self) -> int:

@@ -11,8 +11,8 @@ must run inside it (anywhere else that weight is one rank's shard).
 import torch
 
 from grpo_fast import policy_loss, token_logprobs
-from grpo_fast.ops._policy import LossInputs
-from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_parts, loss_output
+from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_with_tokens
+from grpo_fast.ops.policy import LossInputs
 from grpo_fast.spec import LossConfig
 from grpo_fast.trainer.packing import Packed, pack, packed_hidden, packed_logits, to_grid
 from grpo_fast.trainer.rollout import autocast
@@ -33,12 +33,14 @@ class PackedPolicy(torch.nn.Module):
         policy: the model; its parameters are this module's.
         loss_config: the run's loss options (its temperature scales every log-prob).
         bf16: forwards under bf16 autocast on CUDA.
+        entropy: the loss passes also average the per-token entropy (a logged number: on
+            CPU it costs three of a chunk's five vocabulary passes).
     """
 
-    def __init__(self, policy, loss_config: LossConfig, *, bf16: bool = False):
+    def __init__(self, policy, loss_config: LossConfig, *, bf16: bool = False, entropy: bool = True):
         super().__init__()
         self.policy = policy
-        self.loss_config, self.bf16 = loss_config, bf16
+        self.loss_config, self.bf16, self.entropy = loss_config, bf16, entropy
 
     def forward(
         self,
@@ -50,21 +52,31 @@ class PackedPolicy(torch.nn.Module):
         """Without ``inputs``: the completion tokens' log-probs [n, C] (0 where a row has no
         token), differentiable when gradients are enabled.
 
-        With ``inputs``: ``(loss output, log-probs [n, C] detached)``, the loss being
-        ``policy_loss`` on the rows' completion grid (what ``grpo_loss`` computes on padded
-        logits), or with ``fused_linear`` the loss from the last hidden states and the LM head
-        (``fused_linear_grpo_loss``, never the [Nc, V] logits; its log-probs are 0 where the
-        mask is).
+        With ``inputs`` (the micro-batch's flat per-token inputs [Nc], sequence boundaries
+        ``packed.completion_cu_seqlens``): ``(loss output, log-probs [Nc] detached)``, the loss
+        being ``policy_loss`` of the packed log-probs, or with ``fused_linear`` the loss from
+        the last hidden states [Nc, H] and the LM head (``fused_linear_grpo_loss``, never the
+        [Nc, V] logits). No padded grid either way.
         """
         config = self.loss_config
         with autocast(packed.input_ids.device, self.bf16):
             if inputs is not None and fused_linear:
-                return self._fused_linear_loss(packed, inputs)
+                head = self.policy.get_output_embeddings()
+                out, tokens = fused_linear_loss_with_tokens(
+                    packed_hidden(self.policy, packed),
+                    head.weight,
+                    head.bias,
+                    packed.targets[0],
+                    inputs,
+                    config,
+                    return_entropy=self.entropy,
+                )
+                return out, tokens.logp
             logits = packed_logits(self.policy, packed)  # [1, Nc, V]
         if inputs is None:
             return to_grid(token_logprobs(logits, packed.targets, temperature=config.temperature), packed)
-        logp, entropy = token_logprobs(logits, packed.targets, temperature=config.temperature, return_entropy=True)
-        logp, entropy = to_grid(logp, packed), to_grid(entropy, packed)
+        logp = token_logprobs(logits, packed.targets, temperature=config.temperature, return_entropy=self.entropy)
+        logp, entropy = (x[0] for x in logp) if self.entropy else (logp[0], None)
         out = policy_loss(
             logp,
             inputs.advantages,
@@ -73,15 +85,7 @@ class PackedPolicy(torch.nn.Module):
             inputs.ref_logprobs,
             num_items_in_batch=inputs.num_items_in_batch,
             entropy=entropy,
+            cu_seqlens=inputs.cu_seqlens,
             loss_config=config,
         )
         return out, logp.detach()
-
-    def _fused_linear_loss(self, packed: Packed, inputs: LossInputs):
-        config, head = self.loss_config, self.policy.get_output_embeddings()
-        hidden = to_grid(packed_hidden(self.policy, packed), packed)  # [n, C, H]
-        ids = to_grid(packed.targets, packed)
-        loss, logp, entropy, batch = fused_linear_loss_parts(
-            hidden, head.weight, head.bias, ids, inputs, config, return_entropy=True
-        )
-        return loss_output(loss, logp, entropy, batch, config), logp

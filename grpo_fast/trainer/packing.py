@@ -18,8 +18,10 @@ S^2 for the block-diagonal mask transformers builds from restarting ``position_i
 (measured 2-3x slower than the grid on the demo's 128 short sequences).
 
 The LM head runs only at the positions that predict completion tokens (``logits_to_keep``),
-so the logits are [1, Nc, V] for the Nc completion tokens; per-token values computed from
-them are scattered onto the [n, C] grid of the loss (:func:`to_grid`), which costs O(n * C).
+so the logits are [1, Nc, V] (the hidden states [Nc, H]) for the Nc completion tokens, and
+the loss takes them as flat rows with their sequence boundaries ``completion_cu_seqlens``:
+no padding anywhere. Only per-token values that a rollout stores (log-probs [N, C]) go to
+the rows' [n, C] completion grid (:func:`to_grid`), which costs O(n * C).
 """
 
 import contextlib
@@ -34,8 +36,9 @@ class Packed(NamedTuple):
     """Rows ``rows`` of a padded rollout, packed (see the module docstring).
 
     targets [1, Nc] the completion tokens; logit_index [Nc] the packed positions whose
-    logits predict them; grid ``(row [Nc], col [Nc])`` their places in the rows' [n, C]
-    completion grid, whose shape is ``grid_shape``.
+    logits predict them; completion_cu_seqlens [n + 1] the rows' boundaries among them;
+    grid ``(row [Nc], col [Nc])`` their places in the rows' [n, C] completion grid, whose
+    shape is ``grid_shape``.
     """
 
     rows: slice
@@ -45,34 +48,57 @@ class Packed(NamedTuple):
     max_length: int
     targets: torch.Tensor
     logit_index: torch.Tensor
+    completion_cu_seqlens: torch.Tensor
     grid: tuple
     grid_shape: tuple
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int, rows: slice) -> Packed:
+def row_lengths(attention_mask: torch.Tensor, num_completion_tokens: int) -> list:
+    """``[(real tokens, prompt tokens)]`` of each row of a padded rollout, read to the host once:
+    what :func:`pack` and the micro-batch split need to know on the host."""
+    P = attention_mask.shape[1] - num_completion_tokens
+    return torch.stack([attention_mask.sum(1), attention_mask[:, :P].sum(1)], 1).long().tolist()
+
+
+def pack(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion_tokens: int,
+    rows: slice,
+    lengths: list | None = None,
+) -> Packed:
     """Packs rows ``rows`` of a padded rollout: input_ids and attention_mask [N, P + C], the
     last C = ``num_completion_tokens`` columns the completions. A row's real tokens are
-    those of its attention mask, in order."""
+    those of its attention mask, in order. ``lengths``: the rows' :func:`row_lengths`, if
+    already on the host (else read here)."""
     ids, real = input_ids[rows], attention_mask[rows].bool()
     n, L = ids.shape
     C = num_completion_tokens
-    lengths = real.sum(1)
-    columns = torch.arange(L, device=ids.device).expand(n, L)[real]  # [S] each token's padded column
-    row_of = torch.arange(n, device=ids.device).unsqueeze(1).expand(n, L)[real]
-    completion = (columns >= L - C).nonzero().squeeze(1)  # [Nc] packed positions of completion tokens
-    prompt_lengths = real[:, : L - C].sum(1)
-    if bool(((prompt_lengths == 0) & (lengths > 0)).any()):
+    if lengths is None:
+        lengths = row_lengths(attention_mask[rows], C)
+    if any(prompt == 0 and total > 0 for total, prompt in lengths):
         raise ValueError("every row needs at least one prompt token: the first completion token is predicted from it")
-    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    packed_ids = ids[real].unsqueeze(0)
+    S = sum(total for total, _ in lengths)
+    Nc = S - sum(prompt for _, prompt in lengths)
+    # The real tokens' flat positions [S]; their count is known on the host, so finding them
+    # needs no device-to-host read (nonzero_static, not a boolean index).
+    flat = torch.nonzero_static(real.reshape(-1), size=S).squeeze(1)
+    columns, row_of = flat % L, flat // L  # [S] each token's padded column and row
+    # [Nc] packed positions of completion tokens (a row's completion tokens follow its prompt's)
+    completion = torch.nonzero_static(columns >= L - C, size=Nc).squeeze(1)
+    cu_seqlens = torch.tensor([0] + [total for total, _ in lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    completion_lengths = [total - prompt for total, prompt in lengths]
+    completion_cu = torch.tensor([0] + completion_lengths, dtype=torch.int64).cumsum(0)
+    packed_ids = ids.reshape(-1)[flat].unsqueeze(0)
     return Packed(
         rows=rows,
         input_ids=packed_ids,
-        position_ids=((real.cumsum(1) - 1)[real]).unsqueeze(0),
-        cu_seqlens=cu_seqlens,
-        max_length=int(lengths.max()) if n else 0,
+        position_ids=(real.cumsum(1) - 1).reshape(-1)[flat].unsqueeze(0),
+        cu_seqlens=cu_seqlens.to(ids.device),
+        max_length=max((total for total, _ in lengths), default=0),
         targets=packed_ids[:, completion],
         logit_index=completion - 1,
+        completion_cu_seqlens=completion_cu.to(ids.device),
         grid=(row_of[completion], columns[completion] - (L - C)),
         grid_shape=(n, C),
     )
@@ -194,7 +220,7 @@ def packed_logits(model, packed: Packed) -> torch.Tensor:
 
 
 def packed_hidden(model, packed: Packed) -> torch.Tensor:
-    """The last hidden states (after the final norm) that predict the completion tokens: [1, Nc, H]."""
+    """The last hidden states (after the final norm) that predict the completion tokens: [Nc, H]."""
     with packed_attention(model):
         hidden = model.get_decoder()(**_packed_inputs(packed)).last_hidden_state
-    return hidden[:, packed.logit_index]
+    return hidden[0, packed.logit_index]

@@ -202,9 +202,9 @@ class PPOTrainer(GRPOTrainer):
         fields.update(completion_mask=mask, advantages=batch.advantages._replace(advantages=advantages))
         return PPORollout(**fields, old_values=old_values, returns=returns)
 
-    def accumulate_gradients(self, batch: PPORollout, num_items, logprobs: list | None = None) -> dict:
+    def accumulate_gradients(self, batch: PPORollout, num_items, logprobs: list | None = None, *, read=True) -> dict:
         """The policy's backward passes (GRPO's own), then the critic's."""
-        sums = super().accumulate_gradients(batch, num_items, logprobs)
+        sums = super().accumulate_gradients(batch, num_items, logprobs, read=read)
         sums.update(self.accumulate_value_gradients(batch, num_items))
         return sums
 

@@ -53,6 +53,10 @@ class Rollout:
     advantages: GroupAdvantages | None = None
     sampling_rounds: int = 1  # generation rounds it took (dynamic sampling)
     dropped_groups: int = 0  # groups sampled but dropped: their rewards were all equal
+    # set by the trainer: every rank's [combined reward, completion length, each reward] rows
+    # [N_global, 2 + K], gathered once per step (compute_advantages); the packed micro-batches
+    scores: torch.Tensor | None = None
+    packed: list | None = None
 
 
 def autocast(device: torch.device, bf16: bool):
