@@ -107,7 +107,9 @@ def policy_loss(
 
     w = torch.exp(IMPORTANCE_LEVELS[c.importance_sampling](logp_ - old, m))  # [B, T], or [B, 1] for GSPO
     per_token, kl = per_token_loss(w, logp_, adv, ref, iw, c)
-    loss = (per_token.expand(B, T) * c.aggregation.token_weights(m, m.sum(-1, keepdim=True), B, c, num_items_in_batch)).sum()
+    loss = (
+        per_token.expand(B, T) * c.aggregation.token_weights(m, m.sum(-1, keepdim=True), B, c, num_items_in_batch)
+    ).sum()
     return LossOutput(loss=loss, **loss_metrics(w, adv, kl, entropy, m, c))
 
 

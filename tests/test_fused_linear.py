@@ -363,9 +363,7 @@ def test_token_logprobs_gradients(monkeypatch, backend, layout):
     h, ids = inputs[0], case["ids"]
     if layout == "flat":
         h, ids, g = h.reshape(15, -1), ids.reshape(15), g.reshape(15)
-    logp = grpo_fast.fused_linear_token_logprobs(
-        h, inputs[1], ids, bias=inputs[2], temperature=0.8, chunk_size=4
-    )
+    logp = grpo_fast.fused_linear_token_logprobs(h, inputs[1], ids, bias=inputs[2], temperature=0.8, chunk_size=4)
     grads = torch.autograd.grad((logp * g).sum(), inputs)
     truth = [case[k].double().requires_grad_() for k in ("hidden", "weight", "bias")]
     want = reference.token_logprobs(truth[0] @ truth[1].T + truth[2], case["ids"], temperature=0.8)

@@ -60,8 +60,9 @@ from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
 from trl.trainer.utils import maybe_gather_lm_head_ctx, nanmax, nanmin
 
-from grpo_fast.ops._policy import LossInputs, loss_terms
-from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_parts, fused_linear_token_logprobs
+from grpo_fast.ops import fused_linear_token_logprobs
+from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_with_tokens
+from grpo_fast.ops.policy import LossInputs
 from grpo_fast.spec import LOSS_TYPES, LossConfig
 
 # Batch keys that TRL feeds to the model besides the token ids: multimodal models.
@@ -148,14 +149,14 @@ class LossHead:
     """The loss head: ``fused_linear_grpo_loss`` of the completion positions.
 
     Returns the loss before TRL's gradient-accumulation normaliser (for dapo/cispo the
-    masked token sum); keeps the detached per-token log-probs [B, T], entropies [B, T] and
-    the prepared batch for the metrics.
+    masked token sum); keeps the per-token values behind it (``TokenValues``: the ratio and
+    KL of each swept token, computed once) and the entropies [B, T] for the metrics.
     """
 
     def __init__(self, trainer, config: LossConfig, ids, mask, advantages, old, ref, weights):
         self.trainer, self.config, self.ids, self.mask = trainer, config, ids, mask
         self.advantages, self.old, self.ref, self.weights = advantages, old, ref, weights
-        self.logp = self.entropy = self.batch = None
+        self.tokens = self.entropy = None
 
     def __call__(self, hidden, lm_head):
         config, ids, mask = self.config, self.ids, self.mask
@@ -182,12 +183,12 @@ class LossHead:
                 if weights is not None and weights.shape[1] == 1:  # TRL's sequence-level [B, 1]: the op's [B]
                     weights = weights.squeeze(1)
                 inputs = LossInputs(self.advantages, mask, self.old, self.ref, weights, num_items)
-                # fused_linear_grpo_loss, keeping the per-token log-probs that TRL's per-sequence metrics need
-                loss, self.logp, computed, self.batch = fused_linear_loss_parts(
+                # fused_linear_grpo_loss, keeping the per-token values that TRL's per-sequence metrics need
+                out, self.tokens = fused_linear_loss_with_tokens(
                     hidden, weight, bias, ids, inputs, config, return_entropy=entropy is None
                 )
-        self.entropy = computed if entropy is None else entropy
-        return loss
+        self.entropy = self.tokens.on_grid(self.tokens.entropy, mask.shape) if entropy is None else entropy
+        return out.loss
 
 
 class GRPOTrainer(trl.GRPOTrainer):
@@ -348,9 +349,12 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _grpo_fast_metrics(self, mode: str, config: LossConfig, head: LossHead) -> None:
         """TRL's loss metrics, gathered and reduced across processes as TRL does."""
-        mask = head.batch.mask
-        with torch.no_grad():
-            _, kl, w = loss_terms(head.logp, head.batch, config)
+        tokens, shape = head.tokens, head.mask.shape
+        ev, batch = tokens.evaluation, tokens.batch
+        mask = tokens.on_grid(batch.mask, shape)  # the per-token values of the loss's own evaluation, [B, T]
+        kl = None if ev.kl is None else tokens.on_grid(ev.kl, shape)
+        w = tokens.on_grid(ev.w, shape) if ev.w_seq is None else ev.w_seq.unsqueeze(1)
+        adv = tokens.on_grid(batch.adv, shape) if batch.seq_adv is None else batch.seq_adv.unsqueeze(1)
 
         def per_sequence(x):  # [B, 1]: one value per sequence (grpo_fast's rule, also at T = 1)
             return x.shape[-1] == 1 and config.importance_sampling == "sequence"
@@ -370,7 +374,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if config.beta != 0.0:
             metrics["kl"].append(global_mean(kl))
         metrics["entropy"].append(global_mean(head.entropy))
-        low, high = (flag.to(mask.dtype) for flag in config.kind.clip_flags(w, head.batch.adv, config))
+        low, high = (flag.to(mask.dtype) for flag in config.kind.clip_flags(w, adv, config))
         if config.kind.clipped:
             metrics["clip_ratio/low_mean"].append(global_mean(low))
             metrics["clip_ratio/high_mean"].append(global_mean(high))

@@ -10,7 +10,7 @@ imports it in every worker with
 ``grpo_fast_sapo`` take verl's arguments (log-probs [B, T], advantages [B, T], response mask,
 ``loss_agg_mode``, the actor config, rollout importance weights), return verl's
 ``(loss, metrics)`` and equal verl's ``vanilla``, ``gspo``, ``cispo`` and ``sapo``. The
-per-token math is grpo_fast's (``ops/_policy.py`` reading the loss spec); verl's choices are
+per-token math is grpo_fast's (``ops/policy.py`` reading the loss spec); verl's choices are
 mapped onto it:
 
 - verl's ``loss_agg_mode`` becomes the token weights dL/dper_token (:func:`verl_token_weights`):
@@ -34,11 +34,10 @@ mapped onto it:
 **Fused LM head**: :class:`FusedLinearForPPO` replaces
 ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` (which verl's model forwards
 import when ``use_fused_kernels`` is set): the same log-probs (float32) and entropies (the
-hidden dtype) from the last hidden states and the LM-head weight, by
-:func:`grpo_fast.fused_linear_token_logprobs`; the log-probs' gradient by
-:func:`grpo_fast.fused_linear_grpo_loss` (one vocabulary sweep, never [chunk, V] float32
-temporaries beyond one chunk of logits). An entropy gradient (``entropy_coeff != 0``) is
-verl's own computation, added to ours.
+hidden dtype) from the last hidden states and the LM-head weight, in one sweep of
+:func:`grpo_fast.fused_linear_token_logprobs`, whose backward gives the log-probs' gradient
+(one more sweep, never [chunk, V] float32 temporaries beyond one chunk of logits). An
+entropy gradient (``entropy_coeff != 0``) is verl's own computation, added to ours.
 """
 
 import warnings
@@ -49,8 +48,8 @@ from verl.utils import torch_functional as verl_F
 from verl.utils.experimental import torch_functional as verl_fused
 from verl.workers.config import ActorConfig
 
-from grpo_fast.ops._policy import PolicyBatch, loss_terms
-from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_grpo_loss, fused_linear_token_logprobs
+from grpo_fast.ops import fused_linear_token_logprobs
+from grpo_fast.ops.policy import PolicyBatch, Sequences
 from grpo_fast.spec import IMPORTANCE_LEVELS, LossConfig, clipped_term
 
 LOG_RATIO_BOUND = 20.0  # verl clamps log(pi / pi_old) to [-20, 20] (vanilla, cispo, sapo)
@@ -100,10 +99,25 @@ def _clamped_log_ratio_logp(logp, old):
 
 def _loss(loss_config: LossConfig, logp, old, advantages, mask, weights, importance_weights):
     """(loss, ratio w, token mask) by grpo_fast's per-token math with verl's token weights."""
+    B, T = logp.shape
     m = mask.to(logp.dtype)
-    batch = PolicyBatch(m, weights.to(logp.dtype), advantages, importance_weights, old.detach(), None)
-    terms, _, w = loss_terms(logp, batch, loss_config)
-    return terms.sum(), w, m
+
+    def flat(x):
+        return None if x is None else x.to(logp.dtype).expand(B, T).reshape(-1)
+
+    batch = PolicyBatch(
+        flat(m),
+        flat(weights),
+        flat(advantages),
+        flat(importance_weights),
+        flat(old.detach()),
+        None,
+        Sequences.grid(B, T, logp.device),
+        None,
+    )
+    ev = batch.evaluate(logp.reshape(-1), loss_config)
+    w = ev.w.view(B, T) if ev.w_seq is None else ev.w_seq.unsqueeze(1)
+    return ev.terms.sum(), w, m
 
 
 def _metrics(clipfrac, ppo_kl, clipfrac_lower=0.0) -> dict:
@@ -214,49 +228,28 @@ def _verl_own(name, reason, *args):
     return core_algos.get_policy_loss_fn(name)(*args)
 
 
-class _FusedLinearLogprobs(torch.autograd.Function):
-    """(hidden [N, H] or [B, T, H], weight [V, H], ids [N] or [B, T]) -> (log-probs float32, entropy)."""
+class _VerlEntropyGradient(torch.autograd.Function):
+    """Passes ``entropy`` (computed by grpo_fast's sweep) through; its gradient with respect to
+    hidden and weight is verl's own computation."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, temperature, chunk_size):
-        ctx.set_materialize_grads(False)
-        hidden3, ids2 = (hidden, ids) if hidden.dim() == 3 else (hidden.unsqueeze(0), ids.unsqueeze(0))
-        logp, entropy = fused_linear_token_logprobs(hidden3, weight, ids2, temperature=temperature, return_entropy=True)
+    def forward(ctx, entropy, hidden, weight, ids, temperature, chunk_size):
         ctx.save_for_backward(hidden, weight, ids)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return logp.float().view(ids.shape), entropy.to(hidden.dtype).view(ids.shape)
+        return entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_entropy):
         hidden, weight, ids = ctx.saved_tensors
-        inputs = [x.detach().requires_grad_(need) for x, need in zip((hidden, weight), ctx.needs_input_grad[:2])]
+        inputs = [x.detach().requires_grad_(need) for x, need in zip((hidden, weight), ctx.needs_input_grad[1:3])]
         wanted = [x for x in inputs if x.requires_grad]
         grads = [None, None]
-        with torch.enable_grad():
-            total = []
-            if grad_logp is not None:
-                # sum(g * logp) has the gradient of the CISPO loss with advantages -g at ratio 1:
-                # -min(w, 1).detach() * A * logp with w = exp(logp - logp.detach()) = 1, summed (normaliser 1)
-                h, i = (inputs[0], ids) if hidden.dim() == 3 else (inputs[0].unsqueeze(0), ids.unsqueeze(0))
-                total.append(
-                    fused_linear_grpo_loss(
-                        h,
-                        inputs[1],
-                        i,
-                        -grad_logp.view(i.shape).float(),
-                        loss_type="cispo",
-                        eps_high=1.0,
-                        num_items_in_batch=1,
-                        temperature=ctx.temperature,
-                    ).loss
-                )
-            if grad_entropy is not None:  # verl's own entropy gradient
+        if wanted:
+            with torch.enable_grad():
                 _, entropy = verl_fused.FusedLinearForPPOFunction.apply(*inputs, ids, ctx.temperature, ctx.chunk_size)
-                total.append((entropy * grad_entropy).sum())
-            if wanted:
-                computed = iter(torch.autograd.grad(sum(total), wanted))
-                grads = [next(computed) if x.requires_grad else None for x in inputs]
-        return grads[0], grads[1], None, None, None
+                computed = iter(torch.autograd.grad((entropy * grad_entropy).sum(), wanted))
+            grads = [next(computed) if x.requires_grad else None for x in inputs]
+        return None, grads[0], grads[1], None, None, None
 
 
 class FusedLinearForPPO(torch.nn.Module):
@@ -275,9 +268,16 @@ class FusedLinearForPPO(torch.nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
-        return _FusedLinearLogprobs.apply(
-            hidden_states, vocab_weights, input_ids.to(torch.int64), temperature, self.chunk_size
+        ids = input_ids.to(torch.int64)
+        logp, entropy = fused_linear_token_logprobs(
+            hidden_states, vocab_weights, ids, temperature=temperature, return_entropy=True
         )
+        entropy = entropy.to(hidden_states.dtype)
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or vocab_weights.requires_grad):
+            entropy = _VerlEntropyGradient.apply(
+                entropy, hidden_states, vocab_weights, ids, temperature, self.chunk_size
+            )
+        return logp.float(), entropy
 
 
 verl_fused.FusedLinearForPPO = FusedLinearForPPO

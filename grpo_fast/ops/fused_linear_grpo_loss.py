@@ -130,12 +130,20 @@ class TokenValues(NamedTuple):
     """The per-token values behind a fused loss, flat over the swept tokens [Na] (all of them
     for flat rows; the active ones of a grid): log-probs and entropy (None unless asked),
     detached; the policy math's :class:`~grpo_fast.ops.policy.Evaluation` and the prepared
-    :class:`~grpo_fast.ops.policy.PolicyBatch` of those tokens."""
+    :class:`~grpo_fast.ops.policy.PolicyBatch` of those tokens; ``positions`` [Na] their flat
+    places on the grid [B * T] (None: every place, in order)."""
 
     logp: torch.Tensor
     entropy: torch.Tensor | None
     evaluation: Evaluation
     batch: PolicyBatch
+    positions: torch.Tensor | None = None
+
+    def on_grid(self, x: torch.Tensor, shape) -> torch.Tensor:
+        """Per-token values [Na] on the grid ``shape`` [B, T], 0 where no token was swept."""
+        if self.positions is None:
+            return x.view(shape)
+        return x.new_zeros(shape.numel()).index_copy_(0, self.positions, x).view(shape)
 
 
 class FusedLinearGRPOFunction(torch.autograd.Function):
@@ -150,7 +158,19 @@ class FusedLinearGRPOFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, ids, batch, config, return_entropy, chunk_size, wanted, fp32_weight_grad, backend, out
+        ctx,
+        hidden,
+        weight,
+        bias,
+        ids,
+        batch,
+        config,
+        return_entropy,
+        chunk_size,
+        wanted,
+        fp32_weight_grad,
+        backend,
+        out,
     ):
         N = hidden.shape[0]
         temperature = float(config.temperature)
@@ -175,7 +195,15 @@ class FusedLinearGRPOFunction(torch.autograd.Function):
                 _chunk_backward(z, ids[r], lse_rows, ev.grad, temperature, hidden[r], weight, bwd, grads, r)
 
         logp, lse, entropy = _logprobs_sweep(
-            hidden, weight, bias, ids, temperature, rows, backend, return_entropy, evaluate_chunk if token_level else None
+            hidden,
+            weight,
+            bias,
+            ids,
+            temperature,
+            rows,
+            backend,
+            return_entropy,
+            evaluate_chunk if token_level else None,
         )
         if token_level:
             loss = torch.stack(partial_sums).sum() if partial_sums else logp.new_zeros(())
@@ -261,7 +289,7 @@ def fused_linear_loss_with_tokens(
     """
     _check_call(hidden, weight, bias, ids, inputs, config, chunk_size)
     batch = PolicyBatch.prepare(config, hidden.shape[:-1], accumulate_dtype(hidden), hidden.device, inputs)
-    h, tok = hidden, ids
+    h, tok, active = hidden, ids, None
     if inputs.cu_seqlens is None:
         N = ids.numel()
         h, tok = hidden.reshape(N, hidden.shape[-1]), ids.reshape(N)
@@ -284,7 +312,7 @@ def fused_linear_loss_with_tokens(
         select_backend(hidden),
         values,
     )
-    (tokens,) = values
+    tokens = values[0]._replace(positions=active)
     out = LossOutput(loss, **batch.metrics(tokens.evaluation, config, tokens.entropy))
     return out, tokens
 

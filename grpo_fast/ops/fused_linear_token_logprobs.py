@@ -101,7 +101,9 @@ def fused_linear_token_logprobs(
     backend = select_backend(hidden)
     if backend == "reference":
         logits = _chunk_logits(hidden.reshape(N, H), weight, bias).view(1, N, V)
-        out = reference.token_logprobs(logits, ids.reshape(1, N), temperature=temperature, return_entropy=return_entropy)
+        out = reference.token_logprobs(
+            logits, ids.reshape(1, N), temperature=temperature, return_entropy=return_entropy
+        )
         return tuple(x.view(ids.shape) for x in out) if return_entropy else out.view(ids.shape)
     rows = _chunk_rows(N, V, hidden.element_size(), hidden.device, chunk_size)
     out = FusedLinearLogprobsFunction.apply(

@@ -50,9 +50,7 @@ def _one_launch(logits, ids, batch: PolicyBatch, config: LossConfig, return_entr
     if write_grad:
         grad = logits.detach() if inplace_backward else torch.empty_like(logits)
     with torch.no_grad():
-        pieces = grpo_loss_fwd(
-            logits.detach(), ids, batch, config, grad, return_entropy=return_entropy, **launch
-        )
+        pieces = grpo_loss_fwd(logits.detach(), ids, batch, config, grad, return_entropy=return_entropy, **launch)
     # Every reduction in one call: the weighted loss terms, then the metrics' masked sums.
     sums = pieces.sum(dim=1)
     means = (sums[1:] / batch.mask.sum().clamp(min=1.0)).float()
@@ -137,4 +135,3 @@ def grpo_loss(
     out = TokenLogprobsFunction.apply(logits, ids, float(config.temperature), return_entropy, inplace_backward, backend)
     logp, entropy = out if return_entropy else (out, None)
     return batch.loss(logp.reshape(-1), config, None if entropy is None else entropy.reshape(-1))
-

@@ -148,9 +148,7 @@ class PolicyBatch(NamedTuple):
 
     def take(self, rows) -> "PolicyBatch":
         """The tokens ``rows`` (a slice or an index tensor) of every per-token tensor."""
-        return PolicyBatch(
-            *(None if x is None else x[rows] for x in self[:6]), self.seqs.take(rows), self.seq_adv
-        )
+        return PolicyBatch(*(None if x is None else x[rows] for x in self[:6]), self.seqs.take(rows), self.seq_adv)
 
     def evaluate(self, logp: torch.Tensor, config: LossConfig, *, grad: bool = False) -> Evaluation:
         """The policy math on these tokens' log-probs ``logp`` [Nc], once. ``grad``: also

@@ -256,4 +256,3 @@ def gathered(module: torch.nn.Module):
             unit.reshard()
         for unit in inner:
             unit.set_reshard_after_forward(True, recurse=False)
-

@@ -370,7 +370,9 @@ class GRPOTrainer:
             return batch.packed
         config, C = self.config, batch.completion_mask.shape[1]
         lengths = row_lengths(batch.attention_mask, C)
-        slices = micro_batches([total for total, _ in lengths], config.max_tokens_per_micro_batch, config.micro_batch_size)
+        slices = micro_batches(
+            [total for total, _ in lengths], config.max_tokens_per_micro_batch, config.micro_batch_size
+        )
         return [pack(batch.input_ids, batch.attention_mask, C, rows, lengths[rows]) for rows in slices]
 
     def pack_batch(self, batch: Rollout) -> Rollout:
@@ -441,9 +443,10 @@ class GRPOTrainer:
         Returns the loss and the token-weighted means of the loss metrics over the global batch.
         """
         ranks = self.ranks
-        tokens = batch.completion_mask.sum(1)  # [N]
+        # Counts in float64, as Python's numbers were: the weights must not round the gradient.
+        tokens = batch.completion_mask.sum(1, dtype=torch.float64)  # [N]
         total_rows = ranks.sum(tokens.new_tensor(float(batch.input_ids.shape[0])))
-        total_tokens = num_items
+        total_tokens = num_items = torch.as_tensor(num_items, dtype=torch.float64, device=tokens.device)
         aggregation = self.loss_config.aggregation
         sums = dict.fromkeys(PASS_METRICS, 0.0)
         # Metrics are means over active tokens, but with sequence-level ratios the clip flags are
