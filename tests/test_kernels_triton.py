@@ -19,6 +19,8 @@ import torch
 from conftest import rel_err
 
 import grpo_fast
+import grpo_fast.kernels.group_advantages
+import grpo_fast.kernels.grpo_loss
 import grpo_fast.kernels.token_logprobs as triton_logprobs
 from grpo_fast import reference
 from grpo_fast.kernels.group_advantages import group_advantages_triton
@@ -310,3 +312,55 @@ def test_group_advantages_tiles(scale, layout):
             assert rel_err(a.cpu(), b) < 1e-6, name
         assert out.advantages[3:6].abs().max() == 0  # equal rewards: exactly 0
         assert out.frac_zero_std.item() == pytest.approx(1 / num_groups)
+
+
+def test_every_launch_runs_under_the_device_guard(monkeypatch):
+    """Each launcher (log-probs forward and backward, the one-launch loss and its gradient
+    scaling, group advantages) enters ``torch.cuda.device`` with its tensors' device before the
+    kernel runs: on CUDA the launch goes to that device, not the current one. Under the
+    interpreter the guard is entered with -1 (no switch); the kernels still compute."""
+    real_device = torch.cuda.device
+    entered, launched = [], []
+
+    class Recording(real_device):
+        def __enter__(self):
+            entered.append(self.idx)
+            return super().__enter__()
+
+    monkeypatch.setattr(torch.cuda, "device", Recording)
+    for module, kernel in (
+        (triton_logprobs, "_logprobs_fwd_kernel"),
+        (triton_logprobs, "_logprobs_bwd_kernel"),
+        (grpo_fast.kernels.grpo_loss, "_grpo_loss_fwd_kernel"),
+        (grpo_fast.kernels.grpo_loss, "_scale_grad_kernel"),
+        (grpo_fast.kernels.group_advantages, "_group_advantages_kernel"),
+    ):
+        original = getattr(module, kernel)
+
+        class Launch:  # kernel[grid](...): records that the guard was entered first
+            def __init__(self, name, jit):
+                self.name, self.jit = name, jit
+
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    launched.append((self.name, len(entered)))
+                    return self.jit[grid](*args, **kwargs)
+
+                return run
+
+        monkeypatch.setattr(module, kernel, Launch(kernel, original))
+    batch = to_device(make_batch(2, 3, BLOCK + 1, seed=5))
+    idx = batch["logits"].device.index if DEVICE == "cuda" else -1
+    loss_and_grad(grpo_fast.grpo_loss, batch, beta=0.04)  # one launch + scaled gradient
+    loss_and_grad(grpo_fast.grpo_loss, batch, importance_sampling="sequence")  # log-probs forward + backward
+    grpo_fast.group_advantages(torch.randn(8, device=DEVICE), group_size=4)
+    names = [name for name, _ in launched]
+    assert set(names) == {
+        "_logprobs_fwd_kernel",
+        "_logprobs_bwd_kernel",
+        "_grpo_loss_fwd_kernel",
+        "_scale_grad_kernel",
+        "_group_advantages_kernel",
+    }
+    assert [count for _, count in launched] == list(range(1, len(launched) + 1))  # one guard entered per launch
+    assert entered == [idx] * len(launched)

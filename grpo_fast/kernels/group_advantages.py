@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from grpo_fast.kernels.token_logprobs import device_guard
 from grpo_fast.outputs import GroupAdvantages
 
 SCALE_KINDS = {"group": 0, "batch": 1, "none": 2}
@@ -127,20 +128,21 @@ def group_advantages_triton(
     block_g = triton.next_power_of_2(G)
     if block_groups is None:
         block_groups = max(1, min(triton.next_power_of_2(num_groups), MAX_TILE // block_g))
-    _group_advantages_kernel[(1,)](
-        r,
-        w,
-        adv,
-        combined,
-        mean,
-        std,
-        frac_zero_std,
-        num_groups,
-        G,
-        K,
-        float(eps),
-        SCALE=SCALE_KINDS[scale],
-        BLOCK_GROUPS=block_groups,
-        BLOCK_G=block_g,
-    )
+    with device_guard(rewards):
+        _group_advantages_kernel[(1,)](
+            r,
+            w,
+            adv,
+            combined,
+            mean,
+            std,
+            frac_zero_std,
+            num_groups,
+            G,
+            K,
+            float(eps),
+            SCALE=SCALE_KINDS[scale],
+            BLOCK_GROUPS=block_groups,
+            BLOCK_G=block_g,
+        )
     return GroupAdvantages(adv, combined, mean, std, frac_zero_std.reshape(()))

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.token_logprobs import _row_grad, _row_logsumexp, block_size, num_warps
+from grpo_fast.kernels.token_logprobs import _row_grad, _row_logsumexp, block_size, device_guard, num_warps
 
 
 @triton.jit
@@ -228,39 +228,40 @@ def grpo_loss_fwd(
     block = block_size(V, block_v, max(logits.stride(2), g.stride(2)))
     inf = float("inf")
     absent = batch.adv  # any valid pointer for an input the kernel does not read
-    _grpo_loss_fwd_kernel[(min(N, programs or N),)](
-        logits,
-        *logits.stride(),
-        g,
-        *g.stride(),
-        ids.reshape(-1).contiguous(),
-        m,
-        batch.adv,
-        absent if batch.old is None else batch.old,
-        absent if batch.ref is None else batch.ref,
-        pg_weight,
-        kl_weight,
-        pieces,
-        N,
-        T,
-        V,
-        1.0 / config.temperature,
-        float(config.eps_low),
-        float(config.clip_high),
-        inf if config.delta is None else float(config.delta),
-        inf if config.dual_clip is None else float(config.dual_clip),
-        float(config.sapo_tau_pos),
-        float(config.sapo_tau_neg),
-        config.kind.kernel_kind,
-        config.kl.kernel_kind,
-        int(config.kl_bias_correction),
-        int(batch.old is not None),
-        int(batch.ref is not None),
-        BLOCK_V=block,
-        RETURN_ENTROPY=return_entropy,
-        WRITE_GRAD=grad is not None,
-        num_warps=warps or num_warps(block),
-    )
+    with device_guard(logits):
+        _grpo_loss_fwd_kernel[(min(N, programs or N),)](
+            logits,
+            *logits.stride(),
+            g,
+            *g.stride(),
+            ids.reshape(-1).contiguous(),
+            m,
+            batch.adv,
+            absent if batch.old is None else batch.old,
+            absent if batch.ref is None else batch.ref,
+            pg_weight,
+            kl_weight,
+            pieces,
+            N,
+            T,
+            V,
+            1.0 / config.temperature,
+            float(config.eps_low),
+            float(config.clip_high),
+            inf if config.delta is None else float(config.delta),
+            inf if config.dual_clip is None else float(config.dual_clip),
+            float(config.sapo_tau_pos),
+            float(config.sapo_tau_neg),
+            config.kind.kernel_kind,
+            config.kl.kernel_kind,
+            int(config.kl_bias_correction),
+            int(batch.old is not None),
+            int(batch.ref is not None),
+            BLOCK_V=block,
+            RETURN_ENTROPY=return_entropy,
+            WRITE_GRAD=grad is not None,
+            num_warps=warps or num_warps(block),
+        )
     return pieces
 
 
@@ -270,7 +271,8 @@ def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, block_v: int | None = N
     if B * T == 0:
         return grad
     block = block_size(V, block_v, grad.stride(2))
-    _scale_grad_kernel[(B * T,)](
-        grad, *grad.stride(), scale.reshape(1), T, V, BLOCK_V=block, num_warps=num_warps(block)
-    )
+    with device_guard(grad):
+        _scale_grad_kernel[(B * T,)](
+            grad, *grad.stride(), scale.reshape(1), T, V, BLOCK_V=block, num_warps=num_warps(block)
+        )
     return grad

@@ -161,6 +161,13 @@ def _logprobs_bwd_kernel(
     )
 
 
+def device_guard(x: torch.Tensor):
+    """The launch context of a kernel reading ``x``: ``torch.cuda.device(x.device)``, since
+    Triton launches on the current device, which need not be x's (flash-attention does the
+    same). Index -1 (a CPU tensor, under the interpreter) switches nothing."""
+    return torch.cuda.device(x.device if x.is_cuda else -1)
+
+
 def block_size(V: int, block_v: int | None = None, stride_v: int = 1) -> int:
     """The vocabulary block: ``block_v`` if given (a power of two), else up to MAX_BLOCK_V, or
     up to MAX_STRIDED_BLOCK_V along a non-unit stride (every element its own load and 64-bit
@@ -192,20 +199,21 @@ def logprobs_fwd(
     if B * T == 0:
         return logp, lse, entropy
     block = block_size(V, block_v, logits.stride(2))
-    _logprobs_fwd_kernel[(B * T,)](
-        logits,
-        *logits.stride(),
-        ids.reshape(-1).contiguous(),
-        logp,
-        lse,
-        logp if entropy is None else entropy,
-        T,
-        V,
-        1.0 / temperature,
-        BLOCK_V=block,
-        RETURN_ENTROPY=return_entropy,
-        num_warps=num_warps(block),
-    )
+    with device_guard(logits):
+        _logprobs_fwd_kernel[(B * T,)](
+            logits,
+            *logits.stride(),
+            ids.reshape(-1).contiguous(),
+            logp,
+            lse,
+            logp if entropy is None else entropy,
+            T,
+            V,
+            1.0 / temperature,
+            BLOCK_V=block,
+            RETURN_ENTROPY=return_entropy,
+            num_warps=num_warps(block),
+        )
     return logp, lse, entropy
 
 
@@ -224,18 +232,19 @@ def logprobs_bwd(
     if B * T == 0:
         return out
     block = block_size(V, block_v, max(logits.stride(2), out.stride(2)))
-    _logprobs_bwd_kernel[(B * T,)](
-        logits,
-        *logits.stride(),
-        out,
-        *out.stride(),
-        ids.reshape(-1).contiguous(),
-        lse.reshape(-1).contiguous(),
-        grad_logp.reshape(-1).to(lse.dtype).contiguous(),
-        T,
-        V,
-        1.0 / temperature,
-        BLOCK_V=block,
-        num_warps=num_warps(block),
-    )
+    with device_guard(logits):
+        _logprobs_bwd_kernel[(B * T,)](
+            logits,
+            *logits.stride(),
+            out,
+            *out.stride(),
+            ids.reshape(-1).contiguous(),
+            lse.reshape(-1).contiguous(),
+            grad_logp.reshape(-1).to(lse.dtype).contiguous(),
+            T,
+            V,
+            1.0 / temperature,
+            BLOCK_V=block,
+            num_warps=num_warps(block),
+        )
     return out
