@@ -455,3 +455,21 @@ def test_dynamic_sampling_without_any_signal_makes_no_update(tmp_path):
     assert metrics["groups_dropped"] == 8 and metrics["sampling_rounds"] == 2
     assert metrics["loss"] is None and metrics["reward_mean"] is None and metrics["step"] == 1
     assert all(torch.equal(before[name], p) for name, p in trainer.policy.named_parameters())
+
+
+@pytest.mark.parametrize("fused_linear", [False, True], ids=["logits", "fused_linear"])
+def test_the_update_reads_the_device_once_per_step(tmp_path, fused_linear):
+    """Steady state, rollout aside (it reads every decode step): the update of a step with
+    num_iterations = 2 and several micro-batches, its reference-free old log-probs, the
+    optimizer steps and the log line read from the device once, all metrics together."""
+    from grpo_fast.bench.measure import HostReads
+
+    config = small_config(tmp_path, beta=0.1, num_iterations=2, micro_batch_size=5, fused_linear=fused_linear)
+    trainer = GRPOTrainer(config)
+    batch = trainer.make_rollout()
+    trainer.make_rollout = lambda: batch
+    trainer.train_step()  # first step: lazy initialisation (optimizer state)
+    with HostReads() as reads:
+        metrics = trainer.train_step()
+    assert len(trainer.micro_batches(batch)) > 2 and metrics["entropy"] is not None
+    assert reads.count == 1, reads.calls

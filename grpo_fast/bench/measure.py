@@ -1,4 +1,4 @@
-"""Measurement helpers shared by the benchmarks: timing quantiles and peak memory.
+"""Measurement helpers shared by the benchmarks: timing quantiles, peak memory, host reads.
 
 Peak memory on CPU is the growth of the peak resident set of a fresh process that runs
 one configuration (docs/design.md, "How we measure"): ``run_isolated`` starts
@@ -11,7 +11,11 @@ import platform
 import resource
 import statistics
 import subprocess
+import sys
 import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def quantiles(samples):
@@ -115,3 +119,61 @@ def print_table(rows, columns):
     print("|" + "|".join("---" for _ in columns) + "|")
     for row in rows:
         print("| " + " | ".join(str(row.get(c, "-")) for c in columns) + " |")
+
+
+class HostReads(TorchDispatchMode):
+    """Counts, inside the block, the calls that make the host wait for the device on CUDA,
+    whatever device runs them (so a CPU run counts what a GPU run would wait for): reads of a
+    tensor's value (``.item()``, ``float()``, ``int()``, ``bool()``: ``_local_scalar_dense``;
+    ``.tolist()``), copies to the host, and ops whose output size depends on the values
+    (``nonzero``, ``masked_select``, boolean indexing, ``unique``, ``repeat_interleave``
+    without ``output_size``). ``calls`` lists them in order; ``count`` is their number.
+
+    Reads that a CUDA run does not make are left out: the argument checks' value checks
+    (``ops/_validate.py`` skips them on CUDA tensors) and torch's optimizers reading their
+    step counters (host tensors on any device unless ``capturable``).
+    """
+
+    WAITING = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
+    HOST_ONLY = (os.path.join("grpo_fast", "ops", "_validate.py"), os.path.join("torch", "optim", ""))
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    @property
+    def count(self) -> int:
+        return len(self.calls)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        waits = name in self.WAITING
+        waits |= name == "repeat_interleave" and kwargs.get("output_size") is None and isinstance(args[0], torch.Tensor)
+        waits |= name == "_to_copy" and args[0].is_cuda and kwargs.get("device", args[0].device).type == "cpu"
+        if waits and not self._host_only():
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+    def _host_only(self) -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if any(part in frame.f_code.co_filename for part in self.HOST_ONLY):
+                return True
+            frame = frame.f_back
+        return False
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        calls, tolist = self.calls, self._tolist
+
+        def counted_tolist(tensor):  # on a CPU tensor .tolist() reads memory without an op
+            calls.append("tolist")
+            return tolist(tensor)
+
+        torch.Tensor.tolist = counted_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)

@@ -365,19 +365,21 @@ class GRPOTrainer:
     def micro_batches(self, batch: Rollout) -> list:
         """The batch's rows packed into micro-batches of at most max_tokens_per_micro_batch
         tokens (and micro_batch_size rows): :class:`~grpo_fast.trainer.packing.Packed` each;
-        ``batch.packed`` when set (``pack_batch``). One read of the rows' lengths to the host."""
-        if batch.packed is not None:
-            return batch.packed
+        those of ``batch.packed`` when it was packed under the same limits (``pack_batch``),
+        else packed now, with one read of the rows' lengths to the host."""
         config, C = self.config, batch.completion_mask.shape[1]
+        limits = (config.max_tokens_per_micro_batch, config.micro_batch_size)
+        if batch.packed is not None and batch.packed[0] == limits:
+            return batch.packed[1]
         lengths = row_lengths(batch.attention_mask, C)
-        slices = micro_batches(
-            [total for total, _ in lengths], config.max_tokens_per_micro_batch, config.micro_batch_size
-        )
+        slices = micro_batches([total for total, _ in lengths], *limits)
         return [pack(batch.input_ids, batch.attention_mask, C, rows, lengths[rows]) for rows in slices]
 
     def pack_batch(self, batch: Rollout) -> Rollout:
         """``batch`` with its micro-batches packed once, for every pass of the step."""
-        return dataclasses.replace(batch, packed=self.micro_batches(batch))
+        config = self.config
+        limits = (config.max_tokens_per_micro_batch, config.micro_batch_size)
+        return dataclasses.replace(batch, packed=(limits, self.micro_batches(batch)))
 
     def compute_advantages(self, batch: Rollout) -> Rollout:
         """GRPO's critic-free advantages: each reward relative to its group's. They are computed

@@ -55,8 +55,9 @@ class Rollout:
     dropped_groups: int = 0  # groups sampled but dropped: their rewards were all equal
     # set by the trainer: every rank's [combined reward, completion length, each reward] rows
     # [N_global, 2 + K], gathered once per step (compute_advantages); the packed micro-batches
+    # with the (token, row) limits they were cut by
     scores: torch.Tensor | None = None
-    packed: list | None = None
+    packed: tuple | None = None
 
 
 def autocast(device: torch.device, bf16: bool):
