@@ -63,7 +63,8 @@ def policy_loss(
     )
     inputs.check(logprobs.shape, config)
     if entropy is not None and entropy.shape != logprobs.shape:
-        raise ValueError(f"entropy must have the shape of logprobs {list(logprobs.shape)}, got {list(entropy.shape)}")
+        shape = "[B, T]" if cu_seqlens is None else "[Nc]"
+        raise ValueError(f"entropy must have shape {shape} = {list(logprobs.shape)}, got {list(entropy.shape)}")
     backend = select_backend(logprobs)
     if backend == "reference" and cu_seqlens is None:
         return inputs.run_reference(reference.policy_loss, logprobs, config=config, entropy=entropy)
