@@ -212,7 +212,7 @@ def grpo_loss_fwd(
     dL/dlogits into ``grad`` [B, T, V] (any strides, may be the logits) unless it is None.
 
     ``batch`` is the loss's prepared per-token inputs as flat [B * T] arrays (mask, weights,
-    adv, iw, old, ref; ``grpo_fast.ops._policy.PolicyBatch``) and ``config`` its
+    adv, iw, old, ref; ``grpo_fast.ops.policy.PolicyBatch``) and ``config`` its
     ``LossConfig``, whose loss type and KL estimator give the kernel's branches.
     ``block_v``, ``programs`` (rows in flight; default one program per row) and ``warps``
     are launch knobs, not semantics."""
