@@ -36,7 +36,8 @@ def worker(fused_linear: bool, steps: int) -> dict:
 
     from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 
-    spec = importlib.util.spec_from_file_location("measure_here", os.path.join(REPO, "grpo_fast", "bench", "measure.py"))
+    path = os.path.join(REPO, "grpo_fast", "bench", "measure.py")
+    spec = importlib.util.spec_from_file_location("measure_here", path)
     measure = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(measure)
     work = realistic_workload(argparse.Namespace(seed=0))

@@ -364,22 +364,25 @@ class GRPOTrainer:
 
     def micro_batches(self, batch: Rollout) -> list:
         """The batch's rows packed into micro-batches of at most max_tokens_per_micro_batch
-        tokens (and micro_batch_size rows): :class:`~grpo_fast.trainer.packing.Packed` each;
-        those of ``batch.packed`` when it was packed under the same limits (``pack_batch``),
-        else packed now, with one read of the rows' lengths to the host."""
+        tokens (and micro_batch_size rows): :class:`~grpo_fast.trainer.packing.Packed` each.
+        Those of ``batch.packed`` (``pack_batch``) when they were packed from these very
+        token tensors under the same limits; else packed now, with one read of the rows'
+        lengths to the host."""
         config, C = self.config, batch.completion_mask.shape[1]
-        limits = (config.max_tokens_per_micro_batch, config.micro_batch_size)
-        if batch.packed is not None and batch.packed[0] == limits:
-            return batch.packed[1]
+        key = (config.max_tokens_per_micro_batch, config.micro_batch_size, batch.input_ids, batch.attention_mask)
+        if batch.packed is not None:
+            (*limits, ids, mask), packed = batch.packed
+            if limits == list(key[:2]) and ids is batch.input_ids and mask is batch.attention_mask:
+                return packed
         lengths = row_lengths(batch.attention_mask, C)
-        slices = micro_batches([total for total, _ in lengths], *limits)
+        slices = micro_batches([total for total, _ in lengths], *key[:2])
         return [pack(batch.input_ids, batch.attention_mask, C, rows, lengths[rows]) for rows in slices]
 
     def pack_batch(self, batch: Rollout) -> Rollout:
         """``batch`` with its micro-batches packed once, for every pass of the step."""
         config = self.config
-        limits = (config.max_tokens_per_micro_batch, config.micro_batch_size)
-        return dataclasses.replace(batch, packed=(limits, self.micro_batches(batch)))
+        key = (config.max_tokens_per_micro_batch, config.micro_batch_size, batch.input_ids, batch.attention_mask)
+        return dataclasses.replace(batch, packed=(key, self.micro_batches(batch)))
 
     def compute_advantages(self, batch: Rollout) -> Rollout:
         """GRPO's critic-free advantages: each reward relative to its group's. They are computed

@@ -54,8 +54,8 @@ class Rollout:
     sampling_rounds: int = 1  # generation rounds it took (dynamic sampling)
     dropped_groups: int = 0  # groups sampled but dropped: their rewards were all equal
     # set by the trainer: every rank's [combined reward, completion length, each reward] rows
-    # [N_global, 2 + K], gathered once per step (compute_advantages); the packed micro-batches
-    # with the (token, row) limits they were cut by
+    # [N_global, 2 + K], gathered once per step (compute_advantages); the packed micro-batches,
+    # keyed by the (token, row) limits they were cut by and the token tensors they were cut from
     scores: torch.Tensor | None = None
     packed: tuple | None = None
 
