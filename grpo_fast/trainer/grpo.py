@@ -492,7 +492,8 @@ class GRPOTrainer:
 
         def entry(value):  # [value, is None], float64 on the device
             if not torch.is_tensor(value):
-                return torch.tensor([0.0 if value is None else float(value), float(value is None)], device=self.device)
+                values = [0.0 if value is None else float(value), float(value is None)]
+                return torch.tensor(values, dtype=torch.float64, device=self.device)
             value = value.full_tensor() if hasattr(value, "full_tensor") else value  # FSDP2's gradient norm
             return torch.nn.functional.pad(value.detach().to(self.device, torch.float64).reshape(1), (0, 1))
 
