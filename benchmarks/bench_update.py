@@ -5,9 +5,10 @@ The realistic workload of ``bench_trainer.py`` (Llama hidden 256, 4 layers, voca
 ``train_step`` is the update alone (advantages, the packed forward and backward of every
 micro-batch, the optimizer step, the log line), with the logits path and with
 ``fused_linear``. Each configuration runs in a fresh process (one torch thread) that builds
-the trainer, samples once, warms up one step, then times ``--steps`` steps and measures the
-growth of its peak RSS over them. Processes alternate between the checkouts and the two
-paths, round after round, so that load from other work hits all alike.
+the trainer, samples once, warms up one step, then times ``--steps`` steps and measures its
+peak RSS over them (and the peak's growth over the RSS before them). Processes alternate
+between the checkouts and the two paths, round after round, so that load from other work
+hits all alike.
 
     python benchmarks/bench_update.py --before <older checkout>   # -> results/update_cpu.json
 """
@@ -65,9 +66,10 @@ def worker(fused_linear: bool, steps: int) -> dict:
             trainer.train_step()
             times.append(time.perf_counter() - start)
 
+    start_rss = measure.current_rss_bytes()
     peak = measure.peak_rss_growth(timed_steps, reset=True)
     tokens = int(batch.completion_mask.sum())
-    return dict(times=times, peak_rss_growth=peak, completion_tokens=tokens)
+    return dict(times=times, peak_rss_growth=peak, peak_rss=start_rss + peak, completion_tokens=tokens)
 
 
 def main():
@@ -97,6 +99,7 @@ def main():
             median_step_s=statistics.median(times),
             steps=len(times),
             peak_rss_growth_mb=statistics.median(r["peak_rss_growth"] for r in results) / 2**20,
+            peak_rss_mb=statistics.median(r["peak_rss"] for r in results) / 2**20,
             completion_tokens=results[0]["completion_tokens"],
         )
     for path in ("logits", "fused_linear"):
@@ -104,6 +107,7 @@ def main():
         table[f"after / before, {path}"] = dict(
             step_time=after["median_step_s"] / before["median_step_s"],
             peak_rss_growth=after["peak_rss_growth_mb"] / max(before["peak_rss_growth_mb"], 1e-9),
+            peak_rss=after["peak_rss_mb"] / before["peak_rss_mb"],
         )
     for key, row in table.items():
         print(f"{key:32s} {row}")
