@@ -113,7 +113,13 @@ def main():
         print(f"{key:32s} {row}")
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump(dict(before=trees["before"], rounds=args.rounds, steps=args.steps, results=table), f, indent=1)
+        commits = {
+            tree: subprocess.run(
+                ["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+            for tree, path in trees.items()
+        }
+        json.dump(dict(commits=commits, rounds=args.rounds, steps=args.steps, results=table), f, indent=1)
 
 
 if __name__ == "__main__":
