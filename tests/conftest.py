@@ -24,7 +24,7 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """The padded batch's logits that predict the completion tokens, [N, C, V]: what the
     trainer's packed forwards are checked against. ``logits_to_keep`` runs the LM head on
     positions L-C-1 .. L-2 only (each predicts the next token)."""
-    from grpo_fast.trainer.rollout import position_ids
+    from grpo_fast.trainer.generators import position_ids
 
     L, C = input_ids.shape[1], num_completion_tokens
     keep = torch.arange(L - C - 1, L - 1, device=input_ids.device)

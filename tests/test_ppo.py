@@ -1,11 +1,20 @@
 """The PPO baseline: GAE and the clipped value loss against hand-computed numbers, the critic's
-shape and independence from the policy, and that PPO learns the demo task."""
+shape and independence from the policy, that PPO learns the demo task, and that a killed PPO
+run resumes bit-exact."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
+import yaml
 
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
-from grpo_fast.trainer import GRPOConfig
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer.ppo import (
     PPOConfig,
     PPOTrainer,
@@ -15,6 +24,7 @@ from grpo_fast.trainer.ppo import (
     masked_whiten,
     terminal_rewards,
 )
+from grpo_fast.trainer.run_log import TIMING_KEYS, read_metrics
 
 
 def test_gae_hand_computed():
@@ -127,3 +137,68 @@ def test_ppo_learns_the_demo_task(tmp_path, one_thread):
     assert last > first + 0.1, [round(m["reward_mean"], 3) for m in history]
     assert all(torch.isfinite(torch.tensor(m["value_loss"])) for m in history)
     assert history[-1]["value_mean"] > 0.05  # the critic has learned that rewards are positive
+
+
+# A PPO run that a reward function pauses before step PAUSE + 1, after its checkpoint of step PAUSE.
+KILLED_RUN = """
+import functools, os, sys, time
+import torch
+from grpo_fast.tasks.arithmetic import arithmetic_reward
+from grpo_fast.trainer.ppo import PPOConfig, PPOTrainer
+
+calls = []
+
+@functools.wraps(arithmetic_reward)
+def pausing(prompts, completions, **columns):
+    calls.append(1)
+    if len(calls) > int(os.environ["PAUSE"]):
+        open(os.environ["PAUSED"], "w").close()
+        time.sleep(600)
+    return arithmetic_reward(prompts, completions, **columns)
+
+torch.set_num_threads(int(os.environ["THREADS"]))
+PPOTrainer(PPOConfig.from_yaml(sys.argv[1]), reward_funcs=[pausing]).train()
+"""
+
+
+def test_ppo_resumes_bit_exact_after_kill_9(tmp_path):
+    """A PPO run killed with SIGKILL mid-run (in its 5th step), resumed from its step-4
+    checkpoint, logs exactly the metrics of the uninterrupted run (all but timings): the
+    critic, its AdamW state and LR schedule come back with the policy's."""
+    options = dict(
+        steps=6, save_every=2, keep_checkpoints=3, batch_size=16, group_size=4, max_new_tokens=3, progress=False
+    )
+    options.update(lr_schedule="cosine", num_iterations=2, beta=0.05, value_learning_rate=3e-3)
+    full = PPOTrainer(PPOConfig(**options, output_dir=str(tmp_path / "full"))).train()
+    assert len({m["value_loss"] for m in full}) > 1  # the compared critic metrics do vary
+
+    cut = str(tmp_path / "cut")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(PPOConfig(**options, output_dir=cut).to_dict()))
+    paused = tmp_path / "paused"
+    env = dict(os.environ, PAUSE="4", PAUSED=str(paused), THREADS=str(torch.get_num_threads()))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(tmp_path / "run.yaml")], env=env)
+    try:
+        deadline = time.time() + 240
+        while not paused.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert paused.exists(), "the run never reached step 5"
+    finally:
+        proc.kill()  # SIGKILL
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert ckpt.latest_checkpoint(cut) == ckpt.checkpoint_path(cut, 4)
+
+    resumed = PPOTrainer(PPOConfig(**options, output_dir=cut))
+    assert resumed.resume() == 4
+    resumed.train()
+    drop = set(TIMING_KEYS)
+    assert [{k: v for k, v in m.items() if k not in drop} for m in read_metrics(cut)] == [
+        {k: v for k, v in m.items() if k not in drop} for m in full
+    ]
+
+
+def test_ppo_refuses_a_checkpoint_without_its_critic(tmp_path):
+    options = dict(steps=1, batch_size=8, group_size=4, max_new_tokens=2, progress=False, output_dir=str(tmp_path))
+    GRPOTrainer(GRPOConfig(**options)).train()
+    with pytest.raises(ckpt.CheckpointError, match="does not match the value model: missing"):
+        PPOTrainer(PPOConfig(**options)).resume()

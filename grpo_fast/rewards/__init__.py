@@ -11,7 +11,12 @@ from grpo_fast.rewards.math_answer import answers_match, extract_answer, math_re
 from grpo_fast.rewards.overlong import overlong_penalty
 from grpo_fast.rewards.sandbox import SandboxLimits, SandboxResult, run_python
 
+# The reward functions among the names below, which a config may name; the rest are their
+# building blocks (decorators, checks, answer extraction, the sandbox).
+REWARD_FUNCTIONS = ("math_reward", "format_reward", "overlong_penalty", "code_reward")
+
 __all__ = [
+    "REWARD_FUNCTIONS",
     "math_reward",
     "format_reward",
     "overlong_penalty",

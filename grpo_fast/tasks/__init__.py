@@ -1,7 +1,8 @@
 """Prompt sources and their reward functions: the built-in arithmetic demo, or a dataset on disk.
 
-Reward functions are named in configs: ``"arithmetic"`` (the demo's), any name exported by
-``grpo_fast.rewards`` (``math_reward``, ``format_reward``, ...), or ``"package.module:function"``.
+Reward functions are named in configs: ``"arithmetic"`` (the demo's), a reward function of
+``grpo_fast.rewards`` (its ``REWARD_FUNCTIONS``: ``math_reward``, ``format_reward``, ...), or
+``"package.module:function"``.
 """
 
 import importlib
@@ -29,10 +30,10 @@ def get_reward_function(name) -> Callable:
             raise ValueError(f"reward function {name!r} cannot be imported: {exc}") from exc
     else:
         rewards = importlib.import_module("grpo_fast.rewards")
-        func = getattr(rewards, name, None)
-        if func is None:
-            known = ["arithmetic"] + [n for n in getattr(rewards, "__all__", []) if callable(getattr(rewards, n))]
+        if name not in rewards.REWARD_FUNCTIONS:
+            known = ["arithmetic", *rewards.REWARD_FUNCTIONS]
             raise ValueError(f"unknown reward function {name!r}; known: {known} or 'package.module:function'")
+        func = getattr(rewards, name)
     if not callable(func):
         raise ValueError(f"reward function {name!r} is not callable")
     return func

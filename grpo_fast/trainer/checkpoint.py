@@ -3,8 +3,10 @@
     <output_dir>/checkpoints/step-000050/
         .metadata, __0_0.distcp, ...   the trainable weights and AdamW states, by name
                                        (torch.distributed.checkpoint: each rank writes its
-                                       shards, a replicated tensor once)
-        trainer.pt                     step, data position, LR schedule, config (rank 0)
+                                       shards, a replicated tensor once): the policy's as
+                                       model.* and optimizer.*, another trained module's (the
+                                       PPO baseline's critic) under its own name
+        trainer.pt                     step, data position, LR schedules, config (rank 0)
         rng-0.pt, rng-1.pt, ...        each rank's RNG states
 
 Every rank writes into ``checkpoints/.tmp-step-000050``; when all are done (a barrier) rank 0
@@ -76,6 +78,14 @@ def _model_and_optimizer(model, optimizer) -> dict:
     return {"model": weights, "optimizer": states}
 
 
+def _stored_tensors(model, optimizer, more: dict) -> dict:
+    """What a checkpoint stores: the policy's ``_model_and_optimizer`` at the top, each of
+    ``more`` (``{name: (model, optimizer)}``) under its name."""
+    tensors = _model_and_optimizer(model, optimizer)
+    tensors.update({name: _model_and_optimizer(*pair) for name, pair in more.items()})
+    return tensors
+
+
 @contextlib.contextmanager
 def _quiet_without_process_group():
     """DCP warns on each save and load without a process group that it assumes a single
@@ -92,10 +102,11 @@ def _save(obj, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def save_checkpoint(output_dir: str, state: dict, model, optimizer, ranks, keep: int) -> str:
+def save_checkpoint(output_dir: str, state: dict, model, optimizer, ranks, keep: int, more: dict | None = None) -> str:
     """Writes the checkpoint of ``state["step"]`` (``state`` holds the REQUIRED_KEYS) with the
-    trainable weights of ``model`` and the states of ``optimizer``; keeps the newest ``keep``.
-    Every rank of ``ranks`` (a ``distributed.Ranks``) calls it."""
+    trainable weights of ``model`` and the states of ``optimizer``, and those of every other
+    trained ``{name: (model, optimizer)}`` in ``more``; keeps the newest ``keep``. Every rank
+    of ``ranks`` (a ``distributed.Ranks``) calls it."""
     import torch.distributed.checkpoint as dcp
 
     path = checkpoint_path(output_dir, state["step"])
@@ -109,7 +120,7 @@ def save_checkpoint(output_dir: str, state: dict, model, optimizer, ranks, keep:
         if ranks.is_main:
             _save(state, os.path.join(tmp, TRAINER_STATE))
         with _quiet_without_process_group():
-            dcp.save(_model_and_optimizer(model, optimizer), checkpoint_id=tmp)
+            dcp.save(_stored_tensors(model, optimizer, more or {}), checkpoint_id=tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -123,12 +134,12 @@ def save_checkpoint(output_dir: str, state: dict, model, optimizer, ranks, keep:
     return path
 
 
-def load_checkpoint(path: str, model, optimizer, ranks) -> dict:
+def load_checkpoint(path: str, model, optimizer, ranks, more: dict | None = None) -> dict:
     """Restores the trainable weights of ``model`` and the states of ``optimizer`` (resharded
-    to this job) and this rank's RNG states (a rank the checkpoint did not have keeps its own
-    seeding: copying another rank's would make the two draw alike); returns the trainer state
-    (the REQUIRED_KEYS). A truncated, corrupt or incomplete checkpoint, or another model's, is
-    a :class:`CheckpointError`."""
+    to this job), those of each ``{name: (model, optimizer)}`` in ``more``, and this rank's RNG
+    states (a rank the checkpoint did not have keeps its own seeding: copying another rank's
+    would make the two draw alike); returns the trainer state (the REQUIRED_KEYS). A
+    truncated, corrupt or incomplete checkpoint, or another model's, is a :class:`CheckpointError`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -143,37 +154,40 @@ def load_checkpoint(path: str, model, optimizer, ranks) -> dict:
     missing = [key for key in REQUIRED_KEYS if key not in state]
     if missing:
         raise CheckpointError(f"checkpoint {path!r} is missing {missing}")
-    tensors = _model_and_optimizer(model, optimizer)
-    _check_model(path, tensors["model"], stored)
+    more = more or {}
+    tensors = _stored_tensors(model, optimizer, more)
+    _check_model(path, tensors["model"], stored, "model.")
+    for name in more:
+        _check_model(path, tensors[name]["model"], stored, f"{name}.model.")
     try:
         with _quiet_without_process_group():
             dcp.load(tensors, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; its last line is the cause
         cause = str(exc).strip().splitlines()[-1]
         raise CheckpointError(f"checkpoint {path!r} is corrupt or unreadable ({cause})") from exc
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=tensors["model"],
-        optim_state_dict=tensors["optimizer"],
-        options=StateDictOptions(
-            ignore_frozen_params=True, strict=False
-        ),  # frozen weights are not stored; names checked above
-    )
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)  # frozen weights are not stored; names checked
+    for (module, optim), part in [
+        ((model, optimizer), tensors),
+        *((pair, tensors[name]) for name, pair in more.items()),
+    ]:
+        set_state_dict(
+            module, optim, model_state_dict=part["model"], optim_state_dict=part["optimizer"], options=options
+        )
     rng = os.path.join(path, f"rng-{ranks.rank}.pt")
     if os.path.exists(rng):
         set_rng_state(torch.load(rng, weights_only=False))
     return state
 
 
-def _check_model(path: str, weights: dict, stored: dict) -> None:
-    """The checkpoint's weights (DCP metadata ``stored``, keys ``model.<name>``) have the
+def _check_model(path: str, weights: dict, stored: dict, prefix: str) -> None:
+    """The checkpoint's weights (DCP metadata ``stored``, keys ``<prefix><name>``) have the
     model's trainable names and shapes."""
-    shapes = {key[len("model.") :]: list(meta.size) for key, meta in stored.items() if key.startswith("model.")}
+    shapes = {key[len(prefix) :]: list(meta.size) for key, meta in stored.items() if key.startswith(prefix)}
     if set(shapes) != set(weights):
         missing, extra = sorted(set(weights) - set(shapes)), sorted(set(shapes) - set(weights))
+        what = "the model" if prefix == "model." else f"the {prefix.split('.')[0]} model"
         raise CheckpointError(
-            f"checkpoint {path!r} does not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
+            f"checkpoint {path!r} does not match {what}: missing {missing[:5]}, unexpected {extra[:5]}"
         )
     for name, tensor in weights.items():
         if shapes[name] != list(tensor.shape):

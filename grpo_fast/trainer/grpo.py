@@ -40,9 +40,10 @@ import random
 import resource
 import shutil
 import time
+import warnings
 
-import numpy as np
 import torch
+import transformers
 
 from grpo_fast import group_advantages
 from grpo_fast.ops.policy import LossInputs
@@ -77,11 +78,41 @@ from grpo_fast.trainer.rollout import (
 PASS_METRICS = ("loss", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy")
 
 
-def seed_everything(seed: int) -> None:
-    """Seeds Python's, NumPy's and torch's global generators (as transformers' ``set_seed``)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+# transformers' schedule (``get_scheduler``) behind each of the config's lr_schedule names
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def lr_scheduler(optimizer, config: GRPOConfig):
+    """The run's learning-rate schedule, one step per optimizer step (num_iterations per
+    training step): linear warmup over warmup_steps training steps, then constant, or linear or
+    cosine decay towards 0 at the run's last step (transformers' ``get_scheduler``).
+
+    transformers' warmup runs its first step at learning rate 0; ours runs optimizer step s at
+    ``(s + 1) / (warmup + 1)`` of it, so the schedule is built one step longer and advanced
+    once here: optimizer step s runs at transformers' step s + 1. A checkpoint stores the
+    state at the optimizer-step count (:func:`schedule_state`).
+    """
+    mu = config.num_iterations
+    scheduler = transformers.get_scheduler(
+        SCHEDULES[config.lr_schedule],
+        optimizer,
+        num_warmup_steps=config.warmup_steps * mu + 1,
+        num_training_steps=config.steps * mu + 1,
+    )
+    with warnings.catch_warnings():  # the advance above, not a step taken before the optimizer's
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        scheduler.step()
+    return scheduler
+
+
+def schedule_state(scheduler) -> dict:
+    """The scheduler's state with ``last_epoch`` the optimizer steps taken (see :func:`lr_scheduler`)."""
+    state = scheduler.state_dict()
+    return dict(state, last_epoch=state["last_epoch"] - 1)
+
+
+def load_schedule_state(scheduler, state: dict) -> None:
+    scheduler.load_state_dict(dict(state, last_epoch=state["last_epoch"] + 1))
 
 
 def load_model_and_tokenizer(config: GRPOConfig, flash_attention: bool = False):
@@ -126,7 +157,7 @@ class GRPOTrainer:
         config.validate()
         self.config = config
         self.loss_config = config.loss_config()
-        seed_everything(config.seed)
+        transformers.set_seed(config.seed)
         self.device = distributed.resolve_device(config.device)
         self.ranks = distributed.setup(self.device, config.collective_timeout_s)
         if config.prompts_per_step % self.ranks.world_size:
@@ -166,7 +197,7 @@ class GRPOTrainer:
             betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.scheduler = lr_scheduler(self.optimizer, config)
         self.step = 0
         self.data_position = 0
         self.output_dir = self.ranks.broadcast(
@@ -174,7 +205,7 @@ class GRPOTrainer:
         )
         self.history: list = []
         if self.ranks.rank:  # the model is built alike everywhere; the Hugging Face engine must not draw alike
-            seed_everything(config.seed + self.ranks.rank)
+            transformers.set_seed(config.seed + self.ranks.rank)
 
     # ---------------------------------------------------------------- setup
     def _prepare_policy(self, model):
@@ -247,20 +278,6 @@ class GRPOTrainer:
 
     def _resolve_rewards(self, reward_funcs):
         return resolve_rewards(reward_funcs or self.config.reward_funcs, self.config.dataset)
-
-    def _lr_factor(self, optimizer_step: int) -> float:
-        """Linear warmup over warmup_steps training steps, then constant, linear or cosine decay."""
-        config = self.config
-        mu = config.num_iterations
-        warmup, total = config.warmup_steps * mu, config.steps * mu
-        if optimizer_step < warmup:
-            return (optimizer_step + 1) / (warmup + 1)
-        progress = (optimizer_step - warmup) / max(1, total - warmup)
-        if config.lr_schedule == "linear":
-            return max(0.0, 1.0 - progress)
-        if config.lr_schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
 
     # ---------------------------------------------------------------- data
     def next_rows(self) -> tuple:
@@ -608,16 +625,30 @@ class GRPOTrainer:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     # ---------------------------------------------------------------- checkpoints
+    def trained_parts(self) -> dict:
+        """The trained modules beside the policy, ``{name: (model, optimizer, scheduler)}``,
+        that a checkpoint holds under their names (the PPO baseline's critic)."""
+        return {}
+
     def save_checkpoint(self) -> str:
         """Writes the step's checkpoint (every rank its shards; ``checkpoint.py``)."""
+        parts = self.trained_parts()
         state = dict(
             step=self.step,
             data_position=self.data_position,
-            scheduler=self.scheduler.state_dict(),
+            scheduler=schedule_state(self.scheduler),
             config=self.config.to_dict(),
+            **{f"{name}_scheduler": schedule_state(scheduler) for name, (_, _, scheduler) in parts.items()},
         )
+        more = {name: part[:2] for name, part in parts.items()}
         return ckpt.save_checkpoint(
-            self.output_dir, state, self.policy, self.optimizer, self.ranks, keep=self.config.keep_checkpoints
+            self.output_dir,
+            state,
+            self.policy,
+            self.optimizer,
+            self.ranks,
+            keep=self.config.keep_checkpoints,
+            more=more,
         )
 
     def resume(self, path: str | None = None) -> int:
@@ -626,8 +657,13 @@ class GRPOTrainer:
         path = self.ranks.broadcast(path or ckpt.latest_checkpoint(self.output_dir))
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(self.output_dir, 'checkpoints')!r}")
-        state = ckpt.load_checkpoint(path, self.policy, self.optimizer, self.ranks)
-        self.scheduler.load_state_dict(state["scheduler"])
+        parts = self.trained_parts()
+        state = ckpt.load_checkpoint(
+            path, self.policy, self.optimizer, self.ranks, more={name: part[:2] for name, part in parts.items()}
+        )
+        load_schedule_state(self.scheduler, state["scheduler"])
+        for name, (_, _, scheduler) in parts.items():
+            load_schedule_state(scheduler, state[f"{name}_scheduler"])
         self.step, self.data_position = state["step"], state["data_position"]
         if self.ranks.is_main:
             run_log.truncate_metrics(self.output_dir, self.step)

@@ -15,7 +15,7 @@ from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_with_tokens
 from grpo_fast.ops.policy import LossInputs
 from grpo_fast.spec import LossConfig
 from grpo_fast.trainer.packing import Packed, pack, packed_hidden, packed_logits, to_grid
-from grpo_fast.trainer.rollout import autocast
+from grpo_fast.trainer.precision import autocast
 
 
 def filler(device: torch.device) -> Packed:

@@ -20,8 +20,9 @@ KL to the reference is the loss term ``beta * kl`` of GRPO (as verl's ``use_kl_l
 not a per-token reward penalty. The value model is the policy's decoder (a copy: same
 architecture, same starting weights) with a zero-initialised scalar head, trained by its
 own optimizer with its own learning rate. A completion that no reward function scored is
-masked out of both losses. Checkpoints hold the policy only, so a PPO run does not resume;
-it runs in one process (no torchrun).
+masked out of both losses. Checkpoints hold the critic, its optimizer and LR schedule beside
+the policy's, so a PPO run resumes exactly as a GRPO run does; it runs in one process (no
+torchrun).
 """
 
 import copy
@@ -34,8 +35,10 @@ import torch
 from grpo_fast.spec import option
 from grpo_fast.trainer import distributed
 from grpo_fast.trainer.config import GRPOConfig
-from grpo_fast.trainer.grpo import GRPOTrainer
-from grpo_fast.trainer.rollout import Rollout, autocast, completion_hidden
+from grpo_fast.trainer.generators import position_ids
+from grpo_fast.trainer.grpo import GRPOTrainer, lr_scheduler
+from grpo_fast.trainer.precision import autocast
+from grpo_fast.trainer.rollout import Rollout
 
 
 @dataclass
@@ -139,13 +142,14 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)  # values start at 0: no arbitrary baseline at step 0
         torch.nn.init.zeros_(self.head.bias)
 
-    def get_decoder(self):
-        return self.decoder
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
-        """Values of the states that predict the completion tokens: [N, P + C] -> [N, C] float32."""
-        hidden = completion_hidden(self, input_ids, attention_mask, num_completion_tokens)  # [N, C, H]
-        return self.head(hidden).squeeze(-1).float()
+        """Values of the states that predict the completion tokens (the padded batch's last
+        hidden states at those positions): [N, P + C] -> [N, C] float32."""
+        C = num_completion_tokens
+        out = self.decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)
+        )
+        return self.head(out.last_hidden_state[:, -C - 1 : -1]).squeeze(-1).float()
 
 
 class PPOTrainer(GRPOTrainer):
@@ -170,7 +174,7 @@ class PPOTrainer(GRPOTrainer):
             betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
         )
-        self.value_scheduler = torch.optim.lr_scheduler.LambdaLR(self.value_optimizer, self._lr_factor)
+        self.value_scheduler = lr_scheduler(self.value_optimizer, config)
 
     @torch.no_grad()
     def rollout_values(self, batch: Rollout) -> torch.Tensor:
@@ -240,5 +244,6 @@ class PPOTrainer(GRPOTrainer):
         n = max(num_items.item(), 1)
         return dict(value_loss=loss / n, value_clip_frac=clipped / n)
 
-    def resume(self, path: str | None = None) -> int:
-        raise NotImplementedError("the PPO baseline does not resume: its checkpoints hold the policy, not the critic")
+    def trained_parts(self) -> dict:
+        """The critic, which checkpoints hold beside the policy (as ``value.*``)."""
+        return {"value": (self.value_model, self.value_optimizer, self.value_scheduler)}

@@ -4,9 +4,8 @@ Shared by the GRPO trainer and the PPO baseline: both sample with a generation e
 (``grpo_fast/trainer/generators/``), score with :func:`score`, keep only the groups that
 carry a signal when sampling dynamically (:func:`groups_with_signal`, :func:`select_groups`,
 :func:`concat_rollouts`). The trainer computes per-token log-probs of completions on packed
-sequences (``packed_policy.py``), the LM head only at completion positions; PPO's critic
-reads the padded batch's completion hidden states (:func:`completion_hidden`). The
-advantages are the trainer's next step (``GRPOTrainer.compute_advantages``).
+sequences (``packed_policy.py``), the LM head only at completion positions. The advantages
+are the trainer's next step (``GRPOTrainer.compute_advantages``).
 
 Sequence layout, N = num_prompts * G rows (see :class:`~grpo_fast.trainer.generators.Generation`):
 
@@ -60,13 +59,6 @@ class Rollout:
     packed: tuple | None = None
 
 
-def autocast(device: torch.device, bf16: bool):
-    """bf16 autocast on CUDA when asked; a no-op context otherwise."""
-    if bf16 and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def score(reward_funcs: list, prompts: list, completions: list, columns: dict) -> torch.Tensor:
     """Calls each ``f(prompts, completions, **columns) -> list[float | None]``; returns [N, K] float32.
 
@@ -103,20 +95,6 @@ def _first_failing_sample(func: Callable, prompts: list, completions: list, colu
         except Exception:
             return i
     return None
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that follow the attention mask [N, L], so that left padding does not shift
-    the prompt (a padded slot gets 0)."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def completion_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
-    """Last hidden states (after the final norm) that predict the completion tokens: [N, C, H]."""
-    C = num_completion_tokens
-    decoder = model.get_decoder()
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
-    return out.last_hidden_state[:, -C - 1 : -1]
 
 
 def sampling_metrics(proximal, behaviour, mask, ratio, sequence_level: bool, ranks) -> dict:

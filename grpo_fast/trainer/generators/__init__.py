@@ -94,6 +94,12 @@ def evaluating(model):
         model.train(was_training)
 
 
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions [N, L] of a left-padded batch that follow its attention mask [N, L], so that
+    left padding does not shift the prompt (a padded slot gets 0)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def assemble(tokenizer, prompt_ids, prompt_mask, completion_ids, logprobs=None) -> Generation:
     """The :class:`Generation` of left-padded prompts [N, P] and sampled completions [N, C]:
     padding after each first EOS, masks, decoded text; ``logprobs`` [N, C] zeroed after EOS."""

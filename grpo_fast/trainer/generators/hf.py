@@ -3,7 +3,7 @@
 import torch
 
 from grpo_fast.trainer.generators import Generation, assemble, encode_prompts, evaluating
-from grpo_fast.trainer.rollout import autocast
+from grpo_fast.trainer.precision import autocast
 
 
 class HFGenerator:

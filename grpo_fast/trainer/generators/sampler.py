@@ -21,9 +21,9 @@ import inspect
 
 import torch
 
-from grpo_fast.trainer.generators import Generation, assemble, encode_prompts, evaluating
+from grpo_fast.trainer.generators import Generation, assemble, encode_prompts, evaluating, position_ids
 from grpo_fast.trainer.generators.sampling import sample_streams, sample_tokens, stream_uniforms
-from grpo_fast.trainer.rollout import autocast, position_ids
+from grpo_fast.trainer.precision import autocast
 
 # With compile_generation, prompt widths are rounded up to a multiple of this, so that
 # batches of slightly different prompt lengths reuse one cache and one compiled graph.
