@@ -1,4 +1,5 @@
-"""math_reward, format_reward, overlong_penalty and none_on_error on real answer formats."""
+"""math_reward, format_reward, overlong_penalty and none_on_error on real answer formats; which
+names a config may give."""
 
 import functools
 import re
@@ -7,7 +8,16 @@ import threading
 
 import pytest
 
-from grpo_fast.rewards import extract_answer, format_reward, math_reward, none_on_error, overlong_penalty
+from grpo_fast import rewards
+from grpo_fast.rewards import (
+    REWARD_FUNCTIONS,
+    extract_answer,
+    format_reward,
+    math_reward,
+    none_on_error,
+    overlong_penalty,
+)
+from grpo_fast.tasks import get_reward_function
 
 # ---------------------------------------------------------------- answer extraction
 
@@ -196,3 +206,12 @@ def test_none_on_error_scores_only_failing_samples_none():
     assert wrapped(["q"], ["5"]) == [0.2]
     with pytest.raises(ZeroDivisionError):
         picky_reward(["q"], ["0"])
+
+
+@pytest.mark.parametrize("name", ["run_python", "check_batch", "none_on_error", "extract_answer", "SandboxLimits"])
+def test_only_reward_functions_resolve_by_name(name):
+    """A config names a reward function; the package's helpers are refused with the valid names."""
+    known = ["arithmetic", *REWARD_FUNCTIONS]
+    with pytest.raises(ValueError, match=re.escape(f"unknown reward function {name!r}; known: {known}")):
+        get_reward_function(name)
+    assert [get_reward_function(n) for n in REWARD_FUNCTIONS] == [getattr(rewards, n) for n in REWARD_FUNCTIONS]

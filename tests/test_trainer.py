@@ -7,6 +7,7 @@ takes tens of milliseconds; the full default demo run is in tests/test_cli.py.
 import copy
 import dataclasses
 import json
+import math
 import os
 import shutil
 
@@ -20,7 +21,9 @@ from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.tasks.arithmetic import arithmetic_reward, build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer, RewardError
 from grpo_fast.trainer import checkpoint as ckpt
+from grpo_fast.trainer.config import LR_SCHEDULES
 from grpo_fast.trainer.generators.hf import HFGenerator
+from grpo_fast.trainer.grpo import load_schedule_state, lr_scheduler, schedule_state
 from grpo_fast.trainer.rollout import score
 from grpo_fast.trainer.run_log import METRIC_KEYS, TIMING_KEYS, read_metrics
 
@@ -230,6 +233,41 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
         {k: v for k, v in m.items() if k not in drop} for m in full
     ]
     assert len({m["reward_mean"] for m in full}) > 1  # the compared metrics do vary
+
+
+@pytest.mark.parametrize("lr_schedule", LR_SCHEDULES)
+def test_learning_rate_schedules(lr_schedule):
+    """transformers' schedules, shifted so that the warmup's first step is not at learning rate
+    0: optimizer step s of T (num_iterations per training step) runs at (s + 1) / (w + 1) of
+    the learning rate in the warmup's w steps, then at 1, or 1 - p, or (1 + cos(pi p)) / 2 of
+    it, p = (s - w) / (T - w). A checkpoint stores the state at the steps taken, and loading
+    it continues the schedule where it was."""
+    config = GRPOConfig(steps=7, warmup_steps=2, num_iterations=2, lr_schedule=lr_schedule, learning_rate=0.5)
+    w, T = 4, 14
+
+    def expected(s):
+        if s < w:
+            return (s + 1) / (w + 1)
+        p = (s - w) / (T - w)
+        return {"constant": 1.0, "linear": 1.0 - p, "cosine": 0.5 * (1.0 + math.cos(math.pi * p))}[lr_schedule]
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
+    scheduler = lr_scheduler(optimizer, config)
+    for s in range(T):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * expected(s), rel=1e-12, abs=0), s
+        optimizer.step()
+        scheduler.step()
+        if s == 5:
+            state = schedule_state(scheduler)
+            assert state["last_epoch"] == 6  # optimizer steps taken
+    again = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
+    resumed = lr_scheduler(again, config)
+    again.param_groups[0]["lr"] = 0.5 * expected(6)  # what the optimizer's own state restores
+    load_schedule_state(resumed, state)
+    for s in range(6, T):
+        assert again.param_groups[0]["lr"] == pytest.approx(0.5 * expected(s), rel=1e-12, abs=0), s
+        again.step()
+        resumed.step()
 
 
 def test_a_rank_the_checkpoint_lacks_keeps_its_own_random_state(tmp_path):
