@@ -219,9 +219,13 @@ class GRPOTrainer:
                 target_modules=list(config.lora_target_modules),
                 task_type="CAUSAL_LM",
             )
-            model = get_peft_model(model, lora)
+            with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+                warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+                model = get_peft_model(model, lora)
         if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            # activation_checkpointing_enable is gradient_checkpointing_enable's name from transformers 5.2x
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
             model.config.use_cache = False
         return model.to(self.device).train()
 
