@@ -23,10 +23,10 @@ def _restore_threads():
 
 
 @pytest.mark.slow
-def test_default_demo_learns_within_three_minutes(tmp_path, capsys):
+def test_default_demo_learns(tmp_path, capsys):
     """The acceptance run: the defaults, default seed; reward of the last tenth of the steps
-    at least 0.3 above the first tenth. (The 3-minute bound is for an idle 2-core machine;
-    with other tests sharing the cores only a loose bound is asserted.)"""
+    at least 0.3 above the first tenth. (It takes about 15 s on an idle 2-core machine, as the
+    README says; with other tests sharing the cores only a loose bound, 360 s, is asserted.)"""
     start = time.perf_counter()
     assert main(["train", "--output", str(tmp_path), "--no-progress"]) == 0
     elapsed = time.perf_counter() - start

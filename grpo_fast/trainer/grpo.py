@@ -141,8 +141,10 @@ class GRPOTrainer:
     """Trains ``model`` (or the one ``config`` names) with GRPO on ``rows`` (or ``config.dataset``).
 
     The trainer seeds the global random generators with ``config.seed`` (sampling with the
-    Hugging Face engine draws from torch's); it changes no other state of its caller: the
-    tokenizer, thread counts and plotting backend are left as they were. Under torchrun it
+    Hugging Face engine draws from torch's). A ``model`` passed in is trained in place, not
+    copied: it is moved to the device and put in train mode, wrapped by peft with LoRA
+    adapters (lora_r > 0) and, with gradient checkpointing, gets ``config.use_cache = False``.
+    The caller's tokenizer, thread counts and plotting backend are left as they were. Under torchrun it
     joins the job's process group (``distributed.setup``) and wraps the policy in DDP or
     FSDP2 (``config.parallel``).
 

@@ -5,13 +5,15 @@ GRPO's step template (``GRPOTrainer.train_step``) with three of its steps extend
     for step:
         rollout  <- the GRPO trainer's rollout: G samples per prompt, rewards, (ref log-probs)
         compute_advantages:
-            values   <- value model on the completion tokens, no grad                # (N, C)
+            values   <- value model on the padded batch's completion tokens, no grad  # (N, C)
             rewards  <- the sequence reward on each completion's last token          # (N, C)
             A, R     <- GAE(rewards, values; gamma, lambda); A whitened over active tokens
         for iteration in range(num_iterations):
             accumulate_gradients:
-                policy, per micro-batch: grpo_loss(logits, ids, A [N, C], ...)   (GRPO's own)
-                critic, per micro-batch: clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2)
+                policy: GRPO's own packed micro-batches, the loss on the completion tokens'
+                        log-probs with A [N, C] (policy_loss, or the fused LM head)
+                critic, per padded micro-batch of micro_batch_size rows:
+                        clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2)
             optimizer_step: clip and step each model with its own AdamW
 
 Choices, so that PPO and GRPO differ only in where the advantages come from: the same
