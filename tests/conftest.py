@@ -12,6 +12,9 @@ if os.environ.get("GRPO_FAST_TEST_CUDA") != "1":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from grpo_fast import reference  # noqa: E402
+from grpo_fast.bench.measure import rel_err  # noqa: E402, F401  (the tests' whole-tensor error)
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
@@ -41,11 +44,49 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return grpo_fast.token_logprobs(completion_logits(model, input_ids, attention_mask, C), input_ids[:, -C:])
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative error ||out - ref|| / ||ref|| in float64; NaN anywhere gives inf."""
-    out, ref = out.double(), ref.double()
-    if torch.isnan(out).any() or torch.isnan(ref).any():
+def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Element-wise error: max |out - ref| / max |ref| in float64 (the largest error when ref is
+    all 0); NaN anywhere gives inf. Where :func:`rel_err`'s whole-tensor norm lets a few wrong
+    elements through, this does not: every gradient comparison checks both."""
+    out, ref = out.detach().double().flatten(), ref.detach().double().flatten()
+    if out.isnan().any() or ref.isnan().any():
         return float("inf")
-    den = ref.norm().item()
-    num = (out - ref).norm().item()
-    return num / den if den > 0 else num
+    if not ref.numel():
+        return 0.0
+    scale, worst = ref.abs().max().item(), (out - ref).abs().max().item()
+    return worst / scale if scale > 0 else worst
+
+
+BACKENDS = ["torch", "triton"]  # triton: the kernels under TRITON_INTERPRET=1 on CPU
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("GRPO_FAST_BACKEND", request.param)
+    return request.param
+
+
+def make_case(B=3, T=5, V=37, *, dtype=torch.float32, regime="unclipped", seq_adv=True, strided=False, seed=0):
+    """Random logits and the tensors of a GRPO batch.
+
+    regime: "on_policy" (no old log-probs), "unclipped" (ratios within 1 +- 0.05) or
+    "clipped" (ratios from 0.55 to 2, so both clip bounds are crossed in every row).
+    """
+    g = torch.Generator().manual_seed(seed)
+    full = (torch.randn(B, T + 1, V, generator=g, dtype=torch.float64) * 2).to(dtype)
+    logits = full[:, :-1] if strided else full[:, :T].contiguous()
+    ids = torch.randint(0, V, (B, T), generator=g)
+    with torch.no_grad():
+        logp = reference.token_logprobs(logits.double(), ids)
+    noise = torch.rand(B, T, generator=g, dtype=torch.float64) * 0.1 - 0.05
+    if regime == "clipped":  # every row crosses both bounds: log-ratios cycle through this pattern
+        pattern = torch.tensor([-0.6, 0.7, -0.1, 0.4, 0.05], dtype=torch.float64)
+        noise = noise / 5 + pattern.repeat(T // 5 + 1)[:T]
+    old = None if regime == "on_policy" else logp - noise
+    ref = logp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
+    adv = torch.randn(B, generator=g) if seq_adv else torch.randn(B, T, generator=g)
+    adv[0] = abs(adv[0]) + 0.5  # both signs of A, whatever the seed
+    adv[1] = -abs(adv[1]) - 0.5
+    mask = torch.ones(B, T)
+    mask[-1, T // 2 :] = 0
+    return dict(logits=logits, ids=ids, advantages=adv, mask=mask, old_logprobs=old, ref_logprobs=ref)

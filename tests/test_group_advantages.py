@@ -6,16 +6,9 @@ import statistics
 import pytest
 import torch
 from conftest import rel_err
-from test_ops import BACKENDS
 
 import grpo_fast
 from grpo_fast import reference
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("GRPO_FAST_BACKEND", request.param)
-    return request.param
 
 
 def by_hand(rewards, G, scale, eps=1e-4):
