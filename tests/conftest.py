@@ -57,6 +57,25 @@ def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return worst / scale if scale > 0 else worst
 
 
+METRICS = ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "ratio_mean", "entropy")
+
+
+def assert_metrics_match(out, expected, tol: float) -> None:
+    """Every metric of the LossOutput ``out`` is detached and equals ``expected``'s within
+    ``tol`` relative (absolute below 1), or both are None."""
+    for name in METRICS:
+        got, want = getattr(out, name), getattr(expected, name)
+        assert (got is None) == (want is None), name
+        if got is not None:
+            assert not got.requires_grad, name
+            assert abs(got.item() - want.item()) <= tol * max(1.0, abs(want.item())), name
+
+
+def batch_args(case: dict) -> tuple:
+    """The per-token arguments of a loss op, in order, from a case of :func:`make_case`."""
+    return case["ids"], case["advantages"], case["mask"], case["old_logprobs"], case["ref_logprobs"]
+
+
 BACKENDS = ["torch", "triton"]  # triton: the kernels under TRITON_INTERPRET=1 on CPU
 
 

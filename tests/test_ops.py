@@ -10,19 +10,17 @@ import math
 
 import pytest
 import torch
-from conftest import make_case, max_err, rel_err
+from conftest import METRICS, assert_metrics_match, batch_args, make_case, max_err, rel_err
 
 import grpo_fast
 from grpo_fast import reference
 from grpo_fast.spec import LOSS_TYPES
 
-METRICS = ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "ratio_mean", "entropy")
-
 
 def check_against_reference(case, tol, **options):
     """Loss, logits gradient and every metric of the op vs the reference in float64."""
     logits = case["logits"].detach().requires_grad_()
-    args = (case["ids"], case["advantages"], case["mask"], case["old_logprobs"], case["ref_logprobs"])
+    args = batch_args(case)
     out = grpo_fast.grpo_loss(logits, *args, **options)
     (grad,) = torch.autograd.grad(out.loss, logits)
 
@@ -34,12 +32,7 @@ def check_against_reference(case, tol, **options):
     assert grad.dtype == logits.dtype and grad.shape == logits.shape
     assert rel_err(out.loss, expected.loss) < tol
     assert rel_err(grad, ref_grad) < tol and max_err(grad, ref_grad) < tol
-    for name in METRICS:
-        got, want = getattr(out, name), getattr(expected, name)
-        assert (got is None) == (want is None), name
-        if got is not None:
-            assert not got.requires_grad, name
-            assert abs(got.item() - want.item()) <= tol * max(1.0, abs(want.item())), name
+    assert_metrics_match(out, expected, tol)
     return out
 
 
@@ -151,11 +144,7 @@ def test_all_masked_batch_is_zero_not_nan(backend, loss_type, num_items):
     n = torch.tensor(0.0) if num_items == "tensor0" else num_items
     out = grpo_fast.grpo_loss(
         logits,
-        case["ids"],
-        case["advantages"],
-        case["mask"],
-        case["old_logprobs"],
-        case["ref_logprobs"],
+        *batch_args(case),
         loss_type=loss_type,
         beta=0.04,
         num_items_in_batch=n,
@@ -289,11 +278,7 @@ def test_no_float32_vocab_sized_temporaries(backend, monkeypatch):
     with LargestFloat32() as mode:
         out = grpo_fast.grpo_loss(
             logits,
-            case["ids"],
-            case["advantages"],
-            case["mask"],
-            case["old_logprobs"],
-            case["ref_logprobs"],
+            *batch_args(case),
             beta=0.04,
             return_entropy=True,
         )
@@ -348,11 +333,7 @@ def test_bad_input(backend, mutate, error, match):
     with pytest.raises(error, match=match):
         grpo_fast.grpo_loss(
             case["logits"],
-            case["ids"],
-            case["advantages"],
-            case["mask"],
-            case["old_logprobs"],
-            case["ref_logprobs"],
+            *batch_args(case),
             **options,
         )
 
@@ -418,7 +399,7 @@ def test_padding_holds_anything(backend):
     assert out.loss.item() == pytest.approx(want.loss.item(), rel=1e-6)
     hidden = torch.randn(*case["ids"].shape, 8, requires_grad=True)
     weight = torch.randn(case["logits"].shape[-1], 8, requires_grad=True)
-    args = (case["ids"], case["advantages"], case["mask"], case["old_logprobs"], case["ref_logprobs"])
+    args = batch_args(case)
     fused = grpo_fast.fused_linear_grpo_loss(hidden, weight, *args, beta=0.04, importance_sampling="sequence")
     fused.loss.backward()
     assert torch.isfinite(fused.loss) and torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()

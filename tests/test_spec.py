@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import BACKENDS, make_case, max_err, rel_err
+from conftest import BACKENDS, batch_args, make_case, max_err, rel_err
 
 import grpo_fast
 from grpo_fast import LossConfig, reference, spec
@@ -123,11 +123,7 @@ def test_toy_loss_type_reaches_the_reference_and_every_backend(toy_loss_type, ba
     logits64 = case["logits"].double().requires_grad_()
     ref_out = reference.grpo_loss(
         logits64,
-        case["ids"],
-        case["advantages"],
-        case["mask"],
-        case["old_logprobs"],
-        case["ref_logprobs"],
+        *batch_args(case),
         loss_type=toy_loss_type,
         beta=0.04,
     )
@@ -141,11 +137,7 @@ def test_toy_loss_type_reaches_the_reference_and_every_backend(toy_loss_type, ba
     logits = case["logits"].detach().requires_grad_()
     out = grpo_fast.grpo_loss(
         logits,
-        case["ids"],
-        case["advantages"],
-        case["mask"],
-        case["old_logprobs"],
-        case["ref_logprobs"],
+        *batch_args(case),
         loss_type=toy_loss_type,
         beta=0.04,
     )
