@@ -1,5 +1,10 @@
 """What PPO's critic costs: peak memory and time of a training step, PPO against GRPO.
 
+This is the one benchmark inside the installed package: ``grpo-fast bench memory`` is a
+command a user runs on their own model (``--model PATH``) from an install without the
+repository; the other benchmarks are scripts in ``benchmarks/`` (``benchmarks/bench_memory.py``
+runs this one with the repository's result paths).
+
 Each configuration runs full training steps of the trainer itself (everything after
 sampling: reference log-probs when beta != 0, the critic's values and GAE for PPO, group
 advantages for GRPO, forward, loss, backward, gradient clipping, AdamW step) on the same
