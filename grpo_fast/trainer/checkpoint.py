@@ -166,10 +166,7 @@ def load_checkpoint(path: str, model, optimizer, ranks, more: dict | None = None
         cause = str(exc).strip().splitlines()[-1]
         raise CheckpointError(f"checkpoint {path!r} is corrupt or unreadable ({cause})") from exc
     options = StateDictOptions(ignore_frozen_params=True, strict=False)  # frozen weights are not stored; names checked
-    for (module, optim), part in [
-        ((model, optimizer), tensors),
-        *((pair, tensors[name]) for name, pair in more.items()),
-    ]:
+    for module, optim, part in [(model, optimizer, tensors), *((*pair, tensors[name]) for name, pair in more.items())]:
         set_state_dict(
             module, optim, model_state_dict=part["model"], optim_state_dict=part["optimizer"], options=options
         )
