@@ -167,11 +167,13 @@ def evaluate_model(config) -> dict:
     """``grpo-fast eval``: the eval metrics of the model folder ``config.model`` on
     ``config``'s eval rows, with its reward functions and eval_* options (under torchrun every
     rank its share of the prompts; every rank returns the numbers)."""
+    import transformers
+
     from grpo_fast.tasks import resolve_rewards
-    from grpo_fast.trainer.grpo import load_model_and_tokenizer, seed_everything
+    from grpo_fast.trainer.grpo import load_model_and_tokenizer
     from grpo_fast.trainer.packing import flash_attention_available
 
-    seed_everything(config.seed)
+    transformers.set_seed(config.seed)
     device = distributed.resolve_device(config.device)
     ranks = distributed.setup(device, config.collective_timeout_s)
     bf16 = config.bf16(device)
