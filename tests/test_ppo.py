@@ -161,6 +161,7 @@ PPOTrainer(PPOConfig.from_yaml(sys.argv[1]), reward_funcs=[pausing]).train()
 """
 
 
+@pytest.mark.slow
 def test_ppo_resumes_bit_exact_after_kill_9(tmp_path):
     """A PPO run killed with SIGKILL mid-run (in its 5th step), resumed from its step-4
     checkpoint, logs exactly the metrics of the uninterrupted run (all but timings): the
