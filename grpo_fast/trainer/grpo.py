@@ -43,7 +43,7 @@ import time
 import warnings
 
 import torch
-import transformers
+from transformers import get_scheduler, set_seed
 
 from grpo_fast import group_advantages
 from grpo_fast.ops.policy import LossInputs
@@ -78,7 +78,8 @@ from grpo_fast.trainer.rollout import (
 PASS_METRICS = ("loss", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy")
 
 
-# transformers' schedule (``get_scheduler``) behind each of the config's lr_schedule names
+# transformers' schedule behind each of the config's lr_schedule names (get_scheduler is imported
+# with this module, not lazily inside a measured window such as bench/memory.py's)
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
 
@@ -93,7 +94,7 @@ def lr_scheduler(optimizer, config: GRPOConfig):
     state at the optimizer-step count (:func:`schedule_state`).
     """
     mu = config.num_iterations
-    scheduler = transformers.get_scheduler(
+    scheduler = get_scheduler(
         SCHEDULES[config.lr_schedule],
         optimizer,
         num_warmup_steps=config.warmup_steps * mu + 1,
@@ -159,7 +160,7 @@ class GRPOTrainer:
         config.validate()
         self.config = config
         self.loss_config = config.loss_config()
-        transformers.set_seed(config.seed)
+        set_seed(config.seed)
         self.device = distributed.resolve_device(config.device)
         self.ranks = distributed.setup(self.device, config.collective_timeout_s)
         if config.prompts_per_step % self.ranks.world_size:
@@ -207,7 +208,7 @@ class GRPOTrainer:
         )
         self.history: list = []
         if self.ranks.rank:  # the model is built alike everywhere; the Hugging Face engine must not draw alike
-            transformers.set_seed(config.seed + self.ranks.rank)
+            set_seed(config.seed + self.ranks.rank)
 
     # ---------------------------------------------------------------- setup
     def _prepare_policy(self, model):
