@@ -10,7 +10,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import assert_metrics_match, batch_args, max_err, rel_err
+from conftest import METRICS, assert_metrics_match, batch_args, max_err, rel_err
 
 import grpo_fast
 from grpo_fast import reference
@@ -349,7 +349,7 @@ def test_token_logprobs_gradients(monkeypatch, backend, layout):
     if backend == "triton":
         pytest.importorskip("triton")
     monkeypatch.setenv("GRPO_FAST_BACKEND", backend)
-    case = make_case()
+    case = make_linear_case()
     g = torch.randn(3, 5, generator=torch.Generator().manual_seed(7))
     g[1, 2] = 0.0
     inputs = [case[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
@@ -374,7 +374,7 @@ def test_flat_rows_equal_the_grid(op, importance_sampling):
     """The packed layout: the grid's active tokens as flat rows [Na] with their sequence
     boundaries (an empty sequence included), advantages per sequence [n, 1], give the grid's
     loss, metrics and gradients."""
-    case = make_case(B=4)
+    case = make_linear_case(B=4)
     case["mask"][2] = 0  # an empty sequence: it still counts as a row of the grpo mean
     options = dict(beta=0.04, importance_sampling=importance_sampling, return_entropy=True)
     mask = case["mask"].bool()
@@ -410,7 +410,7 @@ def test_flat_rows_equal_the_grid(op, importance_sampling):
 
 
 def test_flat_rows_bad_input():
-    case = make_case()
+    case = make_linear_case()
     h, w, ids = case["hidden"].reshape(15, -1), case["weight"], case["ids"].reshape(15)
     adv = torch.randn(15)
     fn = grpo_fast.fused_linear_grpo_loss
