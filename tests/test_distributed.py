@@ -175,14 +175,15 @@ def alive(pid: int) -> bool:
 
 def test_torchrun_learns_like_one_process_and_resumes_after_a_killed_rank(tmp_path):
     """``torchrun --nproc-per-node 2 -m grpo_fast train`` on the demo (40 steps): the samples
-    are the same as one process's, so every row equals its row to float tolerance; gradients
-    summed over ranks round differently and the difference compounds through the updates
-    (grad_norm about 1e-5 relative in the first 20 steps, up to about 1e-4 by step 40 on this
-    machine), hence 1e-4 for the first 20 rows and 1e-3 for all. The reward rises. A second
-    run's rank 1 is SIGKILLed at step 23 (its reward function stops there): the job exits
-    non-zero, no process is left. ``--resume`` on 2 ranks continues from step 20 bit-exact
-    against the uninterrupted run; one plain process resumes the same checkpoint (resharded)
-    and finishes as the others did, to the same 1e-3."""
+    are the same as one process's, so its first 20 rows equal one process's to 1e-4. Gradients
+    summed over ranks round differently and AdamW's normalisation amplifies the difference
+    through the updates: past step 20 the two runs drift apart (measured: kl 0.4% apart at step
+    23, one sample different at step 30, grad_norm 10% at step 35), so later rows are not
+    compared across world sizes. The reward rises. A second run's rank 1 is SIGKILLed at step
+    23 (its reward function stops there): the job exits non-zero, no process is left.
+    ``--resume`` on 2 ranks continues from step 20 bit-exact against the uninterrupted run;
+    one plain process resumes the same checkpoint (resharded) and its last 20 rows equal the
+    one-process run's to 1e-3."""
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
     proc = run(train_command(full))
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -199,7 +200,6 @@ def test_torchrun_learns_like_one_process_and_resumes_after_a_killed_rank(tmp_pa
     finally:
         torch.set_num_threads(threads)
     assert_rows_close(rows[:20], alone[:20], rel=1e-4)
-    assert_rows_close(rows, alone, rel=1e-3)
     first, last = tenth_means(rows)
     assert last - first >= 0.1
 
@@ -242,7 +242,8 @@ def test_torchrun_learns_like_one_process_and_resumes_after_a_killed_rank(tmp_pa
     assert proc.returncode == 0, proc.stderr[-5000:]
     resumed = read_metrics(alone_dir)
     assert [m["step"] for m in resumed] == list(range(1, 41))
-    assert_rows_close(resumed, rows, rel=1e-3)
+    assert without_timings(resumed[:20]) == without_timings(rows[:20])
+    assert_rows_close(resumed[20:], alone[20:], rel=1e-3)
 
 
 def test_evaluation_under_torchrun_equals_one_process_and_only_rank_0_reports(tmp_path):
