@@ -9,6 +9,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+import torch
+
 from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option
 from grpo_fast.trainer.distributed import PARALLEL
 from grpo_fast.trainer.generators import ENGINES
@@ -53,8 +55,8 @@ class GRPOConfig(LossConfig):
     compile_generation: bool = option(False, "sampler on CUDA: static KV cache, decode step compiled to a CUDA graph")
     sampling_correction: str | None = option(
         "sequence_mask",
-        f"engines whose log-probs drift from the trainer's (vllm): TRL's correction, one of "
-        f"{', '.join(SAMPLING_CORRECTIONS)}; None = off",
+        f"samples drawn by other log-probs than the trainer's (the vllm engine, or a max_staleness >= 1 "
+        f"worker's older weights): TRL's correction, one of {', '.join(SAMPLING_CORRECTIONS)}; None = off",
     )
     sampling_correction_min: float | None = option(None, "sampling correction: lower bound of the ratio; None = 0")
     sampling_correction_max: float | None = option(3.0, "sampling correction: upper bound of the ratio; None = none")
@@ -71,6 +73,14 @@ class GRPOConfig(LossConfig):
     max_sampling_rounds: int = option(3, "dynamic sampling: at most this many generation rounds per step")
     advantage_scale: str = option("group", "divide advantages by the group's std, the batch's, or none (Dr. GRPO)")
     num_iterations: int = option(1, "mu: optimisation passes over each rollout batch")
+
+    # asynchronous rollouts (trainer/async_rollout.py)
+    max_staleness: int = option(
+        0, "K >= 1: a worker process samples batches ahead, each at most K optimizer steps old; 0 = synchronous"
+    )
+    generation_device: str | None = option(
+        None, "max_staleness >= 1: the worker's device (cpu, cuda:1); None = the trainer's"
+    )
 
     # optimisation
     learning_rate: float = option(1e-3, "AdamW learning rate")
@@ -218,6 +228,7 @@ class GRPOConfig(LossConfig):
                 isinstance(self.vllm_max_model_len, int) and self.vllm_max_model_len >= 2,
                 f"vllm_max_model_len must be an int >= 2 or None, got {self.vllm_max_model_len!r}",
             )
+        self._validate_asynchrony(require)
         require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate!r}")
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         require(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every!r}")
@@ -255,3 +266,45 @@ class GRPOConfig(LossConfig):
         for name in ("dataset", "eval_dataset"):
             path = getattr(self, name)
             require(path is None or os.path.exists(path), f"{name} path {path!r} does not exist")
+
+    def _validate_asynchrony(self, require) -> None:
+        """max_staleness and what it needs: a generation device that exists, options that work
+        with a worker sampling ahead of the trainer (checked before any model loads)."""
+        K = self.max_staleness
+        require(
+            isinstance(K, int) and not isinstance(K, bool) and K >= 0,
+            f"max_staleness must be an int >= 0 (0 = synchronous rollouts), got {K!r}",
+        )
+        if not K:
+            require(
+                self.generation_device is None,
+                f"generation_device={self.generation_device!r} needs max_staleness >= 1 (the synchronous loop "
+                "samples on the trainer's device)",
+            )
+            return
+        require(
+            not self.dynamic_sampling,
+            "max_staleness >= 1 does not work with dynamic_sampling: its refill rounds decide, from every rank's "
+            "rewards, which prompts the next step samples",
+        )
+        require(
+            self.parallel != "fsdp",
+            "max_staleness >= 1 needs parallel='ddp': the worker samples with whole weights, which FSDP2 shards",
+        )
+        if self.generation_device is not None:
+            check_device("generation_device", self.generation_device)
+
+
+def check_device(name: str, value: str) -> None:
+    """Raises ValueError unless ``value`` names a device of this machine: cpu, cuda, cuda:N."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name} must be a device such as 'cpu' or 'cuda:1', got {value!r}") from exc
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"{name} must be 'cpu' or a CUDA device, got {value!r}")
+    count = torch.cuda.device_count()
+    if count == 0 or (device.index or 0) >= count:
+        raise ValueError(f"{name}={value!r} does not exist: this machine has {count} CUDA device(s)")

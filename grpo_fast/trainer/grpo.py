@@ -52,6 +52,7 @@ from grpo_fast.spec import SAMPLING_CORRECTIONS, sampling_correction
 from grpo_fast.tasks import load_rows, resolve_rewards
 from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer import distributed, evaluation, run_log, trackers
+from grpo_fast.trainer.async_rollout import AsyncRollouts
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.generators import make_generator
 from grpo_fast.trainer.packed_policy import PackedPolicy, filler
@@ -192,6 +193,8 @@ class GRPOTrainer:
             self.evaluator = evaluation.Evaluator(
                 self.policy, tokenizer, config, eval_rows, self.reward_funcs, self.reward_names, self.ranks, self.bf16
             )
+        # max_staleness >= 1: a worker process samples ahead (started on the first batch, see close())
+        self.async_rollouts = AsyncRollouts(self) if config.max_staleness else None
 
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -309,8 +312,10 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- one step
     def make_rollout(self) -> Rollout:
-        """The step's experience: samples, rewards, and the reference log-probs (beta != 0)."""
-        batch = self.pack_batch(self.sample_groups())
+        """The step's experience: samples (the rollout worker's batch when max_staleness >= 1),
+        rewards, the sampling correction where the samples' log-probs are not the trainer's (the
+        vllm engine, a worker's possibly stale batch), and the reference log-probs (beta != 0)."""
+        batch = self.pack_batch(self.async_rollouts.next() if self.async_rollouts else self.sample_groups())
         if batch.sampling_logprobs is not None and self.config.sampling_correction is not None:
             batch = self.correct_sampling(batch)
         if self.reference is not None and self.ranks.sum(batch.input_ids.shape[0]):
@@ -539,6 +544,8 @@ class GRPOTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.async_rollouts:
+            self.async_rollouts.publish()
         return dict(grad_norm=grad_norm)
 
     def train_step(self) -> dict:
@@ -569,8 +576,9 @@ class GRPOTrainer:
         return self._step_metrics(batch, passes, start, **self.extra_metrics(batch))
 
     def extra_metrics(self, batch: Rollout) -> dict:
-        """More of the step's log line (the PPO baseline adds the critic's)."""
-        return {}
+        """More of the step's log line (the PPO baseline adds the critic's; asynchronous
+        rollouts add the batch's staleness, the waits and the weight copies)."""
+        return dict(self.async_rollouts.metrics) if self.async_rollouts else {}
 
     def _step_metrics(self, batch: Rollout, passes: list, start: float, **extra) -> dict:
         """The step's log line, over every rank's rows: rollout statistics, the mean of each
@@ -718,31 +726,37 @@ class GRPOTrainer:
         bar = tqdm(
             total=config.steps, initial=self.step, disable=not (config.progress and main), desc="grpo", unit="step"
         )
-        while self.step < config.steps:
-            metrics = self.train_step()
-            if self.evaluator is not None and (
-                self.step == config.steps or run_log.due(self.step, config.eval_every, config.steps)
-            ):
-                metrics.update(self.evaluate())
-            self.history.append(metrics)
-            if main:
-                run_log.append_metrics(self.output_dir, metrics)
-                tracker.log(metrics, self.step)
-                batch = self.last_rollout
-                if run_log.due(self.step, config.log_completions_every, config.steps) and batch.advantages is not None:
-                    rows = run_log.completion_rows(batch, self.step, self.reward_names)
-                    run_log.append_completions(self.output_dir, rows)
-                    tracker.log_table("completions", rows, self.step)
-            reward, kl = metrics["reward_mean"], metrics["kl"]
-            bar.set_postfix(
-                reward="-" if reward is None else f"{reward:.3f}",
-                kl="-" if kl is None else f"{kl:.4f}",
-                tok_s=f"{metrics['tokens_per_s']:.0f}",
-                refresh=False,
-            )
-            bar.update(1)
-            if (config.save_every and self.step % config.save_every == 0) or self.step == config.steps:
-                self.save_checkpoint()
+        try:
+            while self.step < config.steps:
+                metrics = self.train_step()
+                if self.evaluator is not None and (
+                    self.step == config.steps or run_log.due(self.step, config.eval_every, config.steps)
+                ):
+                    metrics.update(self.evaluate())
+                self.history.append(metrics)
+                if main:
+                    run_log.append_metrics(self.output_dir, metrics)
+                    tracker.log(metrics, self.step)
+                    batch = self.last_rollout
+                    if (
+                        run_log.due(self.step, config.log_completions_every, config.steps)
+                        and batch.advantages is not None
+                    ):
+                        rows = run_log.completion_rows(batch, self.step, self.reward_names)
+                        run_log.append_completions(self.output_dir, rows)
+                        tracker.log_table("completions", rows, self.step)
+                reward, kl = metrics["reward_mean"], metrics["kl"]
+                bar.set_postfix(
+                    reward="-" if reward is None else f"{reward:.3f}",
+                    kl="-" if kl is None else f"{kl:.4f}",
+                    tok_s=f"{metrics['tokens_per_s']:.0f}",
+                    refresh=False,
+                )
+                bar.update(1)
+                if (config.save_every and self.step % config.save_every == 0) or self.step == config.steps:
+                    self.save_checkpoint()
+        finally:
+            self.close()
         bar.close()
         tracker.close()
         self.save_model()
@@ -751,3 +765,10 @@ class GRPOTrainer:
         )
         self.summary = run_log.summary(self.history, self.output_dir, time.perf_counter() - start)
         return self.history
+
+    def close(self) -> None:
+        """Stops the rollout worker, if one runs (``train()`` does on its way out, error or not;
+        a caller of ``train_step()`` does when done). A checkpoint resumes after the trained
+        steps: the batches in flight are sampled again."""
+        if self.async_rollouts:
+            self.async_rollouts.close()

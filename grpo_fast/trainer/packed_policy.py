@@ -84,6 +84,7 @@ class PackedPolicy(torch.nn.Module):
             inputs.old_logprobs,
             inputs.ref_logprobs,
             num_items_in_batch=inputs.num_items_in_batch,
+            importance_weights=inputs.importance_weights,
             entropy=entropy,
             cu_seqlens=inputs.cu_seqlens,
             loss_config=config,

@@ -163,6 +163,8 @@ class PPOTrainer(GRPOTrainer):
     def __init__(self, config: PPOConfig, **kwargs):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}")
+        if config.max_staleness:
+            raise ValueError("the PPO baseline samples synchronously: max_staleness must be 0")
         if distributed.launched_by_torchrun():
             raise ValueError(
                 "the PPO baseline runs in one process (its critic is not wrapped for DDP or FSDP2): start it without "

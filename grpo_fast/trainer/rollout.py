@@ -43,10 +43,12 @@ class Rollout:
     rewards: torch.Tensor  # [N, K] float32, NaN where a function returned None
     old_logprobs: torch.Tensor | None = None  # [N, C], only when num_iterations > 1
     ref_logprobs: torch.Tensor | None = None  # [N, C], only when beta != 0
-    # [N, C] an engine's own log-probs of its samples, when they may differ from the trainer's (vllm)
+    # [N, C] the log-probs the samples were drawn with, when they may differ from the trainer's:
+    # the vllm engine's, or a rollout worker's (older weights: asynchronous rollouts)
     sampling_logprobs: torch.Tensor | None = None
     importance_weights: torch.Tensor | None = None  # [N, C], the loss's correction for that difference
     sampling_metrics: dict = dataclasses.field(default_factory=dict)  # the correction's log line
+    policy_version: int | None = None  # optimizer steps of the weights that sampled it (asynchronous rollouts)
     # set by the trainer's compute_advantages: .advantages [N] (or [N, C] for PPO),
     # .rewards [N] (weighted sum, NaN where unscored), group stats
     advantages: GroupAdvantages | None = None
@@ -135,7 +137,7 @@ def groups_with_signal(rewards: torch.Tensor, group_size: int, reward_weights=No
 
 def select_groups(batch: Rollout, groups: torch.Tensor, group_size: int) -> Rollout:
     """The rows of the groups ``groups`` [k] (indices, in order) of a rollout without
-    advantages or log-probs yet."""
+    advantages or the trainer's log-probs yet."""
     rows = (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1).tolist()
     pick = torch.tensor(rows, dtype=torch.long)
     per_row = ("input_ids", "attention_mask", "completion_mask", "rewards")
@@ -150,7 +152,7 @@ def select_groups(batch: Rollout, groups: torch.Tensor, group_size: int) -> Roll
 
 
 def concat_rollouts(parts: list, pad_token_id: int) -> Rollout:
-    """Rollouts (without advantages or log-probs yet) one after the other, re-padded to the
+    """Rollouts (without advantages or the trainer's log-probs yet) one after the other, re-padded to the
     widest prompt (on the left) and the longest completion (on the right)."""
     parts = [part for part in parts if part.input_ids.shape[0]] or parts[-1:]
     if len(parts) == 1:
@@ -181,15 +183,20 @@ def concat_rollouts(parts: list, pad_token_id: int) -> Rollout:
     )
 
 
-def rollout(generator, rows: list, keys: list, reward_funcs: list, *, group_size: int) -> Rollout:
-    """Generation and rewards of one batch of prompts (no log-probs: the trainer computes
-    those once it knows which groups it keeps).
+def rollout(
+    generator, rows: list, keys: list, reward_funcs: list, *, group_size: int, keep_logprobs: bool = False
+) -> Rollout:
+    """Generation and rewards of one batch of prompts, with the engine's log-probs as
+    ``sampling_logprobs`` where the trainer corrects for them: an engine that drifts (vllm), or
+    ``keep_logprobs`` (a rollout worker's batch). The trainer computes its own log-probs once it
+    knows which groups it keeps.
 
     Args:
         generator: a generation engine (``grpo_fast.trainer.generators``).
         rows: dataset rows, each with a "prompt" str and optional answer/test columns.
         keys: [len(rows)] int, the rows' positions in the run's data order.
         reward_funcs: ``f(prompts, completions, **columns) -> list[float | None]``.
+        keep_logprobs: keep the engine's log-probs (None for an engine that returns none).
     """
     prompts = [row["prompt"] for row in rows for _ in range(group_size)]
     columns = {key: [row[key] for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
@@ -202,5 +209,5 @@ def rollout(generator, rows: list, keys: list, reward_funcs: list, *, group_size
         attention_mask=out.attention_mask,
         completion_mask=out.completion_mask,
         rewards=score(reward_funcs, prompts, out.completions, columns),
-        sampling_logprobs=out.logprobs if getattr(generator, "drifts", False) else None,
+        sampling_logprobs=out.logprobs if keep_logprobs or getattr(generator, "drifts", False) else None,
     )

@@ -1,0 +1,306 @@
+"""Asynchronous rollouts (max_staleness K >= 1): the sampling correction's metrics against TRL's
+formulas in float64, the trainer's loss on stale batches against the float64 reference, bad settings,
+resume, and the failures (worker error, worker killed, trainer killed, Ctrl-C).
+
+Each trainer here starts a worker process (spawn: a fresh interpreter that imports torch), so
+these tests use the demo's tiny model and few steps.
+"""
+
+import copy
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from conftest import completion_logits, rel_err
+
+from grpo_fast import reference
+from grpo_fast.spec import SAMPLING_CORRECTIONS, sampling_correction
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+from grpo_fast.trainer.async_rollout import WorkerError
+from grpo_fast.trainer.distributed import Ranks
+from grpo_fast.trainer.rollout import sampling_metrics
+
+SMALL = dict(batch_size=16, group_size=4, max_new_tokens=3, progress=False)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_config(tmp_path, **overrides) -> GRPOConfig:
+    return GRPOConfig(**{**SMALL, "output_dir": str(tmp_path / "run"), **overrides})
+
+
+def trl_importance_weights(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16's vllm_importance_sampling_correction (GRPOTrainer._generate_and_score_completions),
+    restated step by step in float64: masked log-ratio, NaN sampling log-probs count 0, a sum over
+    the sequence for sequence_* modes, then clamp (truncate) or zero outside the bounds (mask)."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+@pytest.mark.parametrize("mode", list(SAMPLING_CORRECTIONS))
+def test_sampling_metrics_are_trls(mode):
+    """The correction's sampling/... metrics as TRL defines them, with a NaN sampling log-prob
+    and a row without tokens: |proximal - sampling| over active tokens, the ratio over active
+    tokens (token modes) or over every sequence (sequence modes)."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 5, 7
+    proximal = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    sampling = proximal + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4
+    sampling[1, 2] = math.nan
+    mask = (torch.rand(B, T, generator=g) < 0.8).double()
+    mask[3] = 0
+    correction = sampling_correction(proximal, sampling, mask, mode=mode, clip_min=0.5, clip_max=1.5)
+    metrics = sampling_metrics(
+        proximal, sampling, mask, correction.ratio, mode.startswith("sequence"), Ranks(torch.device("cpu"))
+    )
+    expected = trl_importance_weights(proximal, sampling, mask, mode, 0.5, 1.5)
+    active = mask.bool() & ~sampling.isnan()
+    gap = (proximal - sampling).abs()[active]
+    flat = expected.flatten() if mode.startswith("sequence") else expected[mask.bool()]
+    want = {
+        "sampling/sampling_logp_difference/mean": gap.mean(),
+        "sampling/sampling_logp_difference/max": gap.max(),
+        "sampling/importance_sampling_ratio/min": flat.min(),
+        "sampling/importance_sampling_ratio/mean": flat.mean(),
+        "sampling/importance_sampling_ratio/max": flat.max(),
+    }
+    assert metrics == pytest.approx({key: value.item() for key, value in want.items()}, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(max_staleness=-1), "max_staleness must be an int >= 0"),
+        (dict(max_staleness=1.5), "max_staleness must be an int >= 0"),
+        (dict(generation_device="cpu"), "generation_device='cpu' needs max_staleness >= 1"),
+        (dict(max_staleness=1, generation_device="cuda:7"), r"generation_device='cuda:7' does not exist"),
+        (dict(max_staleness=1, generation_device="gpu1"), "generation_device must be a device such as"),
+        (dict(max_staleness=1, dynamic_sampling=True), "max_staleness >= 1 does not work with dynamic_sampling"),
+        (dict(max_staleness=1, parallel="fsdp"), "max_staleness >= 1 needs parallel='ddp'"),
+    ],
+)
+def test_bad_asynchronous_settings_are_refused_before_the_model_loads(tmp_path, monkeypatch, overrides, match):
+    from grpo_fast.trainer import grpo
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(grpo, "load_model_and_tokenizer", no_loading)
+    with pytest.raises(ValueError, match=match):
+        GRPOTrainer(small_config(tmp_path, **overrides))
+
+
+def test_synchronous_loop_starts_no_worker_and_has_no_correction(tmp_path):
+    """K = 0 is today's loop: no worker, no importance weights, the ratio's old log-probs left
+    to the loss (on-policy), no asynchronous metrics."""
+    trainer = GRPOTrainer(small_config(tmp_path))
+    batch = trainer.make_rollout()
+    assert trainer.async_rollouts is None and batch.importance_weights is None and batch.old_logprobs is None
+    assert "staleness" not in trainer.train_step()
+
+
+def gradient_step(trainer):
+    """One step through the trainer's own pieces: ``(batch with advantages, metrics of the
+    batch, the gradient [P] flat, the policy as the step started)``; then the optimizer step."""
+    policy = copy.deepcopy(trainer.policy)
+    batch = trainer.compute_advantages(trainer.make_rollout())
+    metrics = {**trainer.extra_metrics(batch), **batch.sampling_metrics}
+    trainer.accumulate_gradients(batch, batch.completion_mask.sum())
+    gradient = torch.cat([p.grad.flatten() for p in trainer.policy.parameters()])
+    trainer.optimizer_step()
+    trainer.step += 1
+    return batch, metrics, gradient, policy
+
+
+@pytest.mark.parametrize("fused_linear", [False, True], ids=["logits", "fused_linear"])
+def test_stale_batches_train_on_the_float64_reference_loss_with_the_correction(tmp_path, fused_linear):
+    """K = 2: each step's gradient is the float64 reference loss's on its batch, at the weights
+    the step started with (the proximal policy), with TRL's truncated weight of proximal vs the
+    sampler's log-probs; the batches are stale (the worker samples ahead); the first batch,
+    sampled by the initial weights, is the synchronous loop's first batch with its gradient."""
+    overrides = dict(sampling_correction="token_truncate", sampling_correction_max=1.02)
+    overrides.update(beta=0.04, learning_rate=3e-2, fused_linear=fused_linear)
+    sync_batch, _, sync_gradient, _ = gradient_step(GRPOTrainer(small_config(tmp_path / "sync", **overrides)))
+    trainer = GRPOTrainer(small_config(tmp_path, max_staleness=2, **overrides))
+    try:
+        records = [gradient_step(trainer) for _ in range(4)]
+    finally:
+        trainer.close()
+    assert records[0][0].completions == sync_batch.completions
+    assert rel_err(records[0][2], sync_gradient) < 1e-5
+    staleness = [metrics["staleness"] for _, metrics, _, _ in records]
+    assert max(staleness) >= 1 and all(0 <= s <= 2 for s in staleness), staleness
+    clipped = 0
+    for batch, metrics, gradient, policy in records:
+        policy = policy.double()
+        C = batch.completion_mask.shape[1]
+        ids, mask = batch.input_ids[:, -C:], batch.completion_mask.double()
+        logits = completion_logits(policy, batch.input_ids, batch.attention_mask, C)
+        proximal = reference.token_logprobs(logits, ids).detach()
+        weights = trl_importance_weights(proximal, batch.sampling_logprobs.double(), mask, "token_truncate", None, 1.02)
+        clipped += int((weights[mask.bool()] == 1.02).sum())
+        reference.grpo_loss(
+            logits,
+            ids,
+            batch.advantages.advantages.double(),
+            mask,
+            proximal,
+            batch.ref_logprobs.double(),
+            importance_weights=weights,
+            beta=0.04,
+            max_completion_length=3,
+        ).loss.backward()
+        expected = torch.cat([p.grad.flatten() for p in policy.parameters()])
+        assert rel_err(gradient, expected) < 1e-4
+        assert metrics["sampling/importance_sampling_ratio/max"] <= 1.02 + 1e-6
+        assert metrics["rollout_wait_s"] >= 0 and metrics["worker_weight_wait_s"] >= 0
+    assert clipped > 0  # the cap was reached: the correction is exercised, not all ones
+
+
+def test_hf_engine_runs_asynchronously_on_a_named_device(tmp_path):
+    """The Hugging Face engine returns no log-probs: the worker computes the sampling
+    log-probs with a forward under the weights that sampled; a fresh batch's weights are 1."""
+    trainer = GRPOTrainer(small_config(tmp_path, max_staleness=1, generator="hf", generation_device="cpu"))
+    try:
+        metrics = trainer.train_step()
+    finally:
+        trainer.close()
+    assert metrics["staleness"] == 0
+    assert abs(metrics["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
+
+
+def test_checkpoint_resumes_after_the_trained_steps(tmp_path):
+    """Batches in flight when a checkpoint is written are not in it: a resumed run samples
+    them again, from the data position after the last trained batch."""
+    trainer = GRPOTrainer(small_config(tmp_path, max_staleness=1, steps=2))
+    trainer.train()
+    assert trainer.async_rollouts.process is None  # train() stopped its worker
+    resumed = GRPOTrainer(small_config(tmp_path, max_staleness=1, steps=3))
+    assert resumed.resume() == 2 and resumed.data_position == 2 * resumed.config.prompts_per_step
+    try:
+        metrics = resumed.train_step()
+    finally:
+        resumed.close()
+    assert metrics["step"] == 3 and resumed.data_position == 3 * resumed.config.prompts_per_step
+
+
+def failing_reward(prompts, completions, **columns):
+    raise ArithmeticError("the judge is out to lunch")
+
+
+def test_worker_error_reaches_the_trainer(tmp_path):
+    trainer = GRPOTrainer(small_config(tmp_path, max_staleness=1), reward_funcs=[failing_reward])
+    try:
+        with pytest.raises(WorkerError, match="the judge is out to lunch"):
+            trainer.train_step()
+    finally:
+        trainer.close()
+
+
+def test_killed_worker_stops_the_trainer_within_seconds(tmp_path):
+    trainer = GRPOTrainer(small_config(tmp_path, max_staleness=1, steps=50))
+    try:
+        trainer.train_step()
+        os.kill(trainer.async_rollouts.process.pid, signal.SIGKILL)
+        killed = time.perf_counter()
+        with pytest.raises(WorkerError, match=r"died \(exit code -9\)"):
+            for _ in range(3):  # a batch it finished before dying may still be trained on
+                trainer.train_step()
+        assert time.perf_counter() - killed < 10
+    finally:
+        trainer.close()
+
+
+def gone(pid: int) -> bool:
+    """The process no longer runs (absent, or a zombie awaiting its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_until(condition, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+TRAINER_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+    config = GRPOConfig(batch_size=16, group_size=4, max_new_tokens=3, progress=False, max_staleness=1,
+                        output_dir=sys.argv[1])
+    trainer = GRPOTrainer(config)
+    trainer.train_step()
+    print(trainer.async_rollouts.process.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killed_trainer_ends_its_worker(tmp_path):
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER_SCRIPT, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        worker = int(trainer.stdout.readline())
+        assert not gone(worker)
+        trainer.kill()
+        trainer.wait()
+        assert wait_until(lambda: gone(worker), 5)
+    finally:
+        trainer.kill()
+
+
+def children(pid: int) -> list:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_stops_trainer_and_worker(tmp_path):
+    """SIGINT to the terminal's process group (what Ctrl-C sends): the trainer stops and takes
+    its worker with it; nothing is left running."""
+    command = [sys.executable, "-m", "grpo_fast", "train", "--max-staleness", "1", "--steps", "100000"]
+    command += ["--no-progress", "--output-dir", str(tmp_path / "run")]
+    trainer = subprocess.Popen(command, cwd=ROOT, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: (tmp_path / "run" / "metrics.jsonl").exists(), 120)  # training, worker running
+        workers = children(trainer.pid)  # the rollout worker (and its multiprocessing helpers)
+        assert workers
+        os.killpg(trainer.pid, signal.SIGINT)
+        trainer.wait(30)
+        assert trainer.returncode != 0
+        assert wait_until(lambda: all(gone(pid) for pid in workers), 5)
+        assert "KeyboardInterrupt" in trainer.stderr.read()
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+
+
+def test_asynchronous_demo_learns(tmp_path):
+    """K = 1 on the demo task learns (the reward rises): the measured comparison with the
+    synchronous run is in benchmarks/NOTES.md."""
+    trainer = GRPOTrainer(small_config(tmp_path, max_staleness=1, steps=40, batch_size=32, max_new_tokens=4))
+    history = trainer.train()
+    first = sum(m["reward_mean"] for m in history[:5]) / 5
+    last = sum(m["reward_mean"] for m in history[-5:]) / 5
+    assert last > first + 0.1, (first, last)
