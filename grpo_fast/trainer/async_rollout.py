@@ -48,6 +48,7 @@ import copy
 import ctypes
 import dataclasses
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -81,7 +82,7 @@ class WorkerSetup:
     slot_versions: object  # shared int64 [2]: the version each slot holds
     version: object  # shared int64: the newest published version
     requests: object  # queue of (batch index, rows, keys), or None to stop
-    results: object  # queue of (batch index, Rollout, timings) or ("error", traceback)
+    results: object  # queue of ("batch", pickled (batch index, Rollout, timings)) or ("error", traceback)
     parent: int  # the trainer's pid
 
 
@@ -211,7 +212,7 @@ class AsyncRollouts:
                         raise WorkerError(f"the rollout worker died (exit code {code}) without an error message")
         if message[0] == "error":
             raise WorkerError(f"the rollout worker failed:\n{message[1]}")
-        return message
+        return pickle.loads(message[1])
 
     def publish(self) -> None:
         """Copies the trainer's weights into the free slot and announces the next version."""
@@ -286,7 +287,9 @@ class Worker:
                 batch = dataclasses.replace(batch, sampling_logprobs=self._logprobs(batch))
             batch = dataclasses.replace(to_device(batch, torch.device("cpu")), policy_version=self.loaded)
             timings = dict(worker_weight_wait_s=weight_wait, worker_rollout_s=time.perf_counter() - start)
-            setup.results.put((index, batch, timings))
+            # Plain pickle: the tensors' bytes travel in the message (a few KB a row), not as
+            # shared-memory handles that a worker dying before they are read would take along.
+            setup.results.put(("batch", pickle.dumps((index, batch, timings))))
 
     def _wait_for_request(self):
         while True:
