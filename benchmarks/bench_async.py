@@ -1,0 +1,216 @@
+"""Asynchronous rollouts (max_staleness K = 1) against the synchronous loop, side by side.
+
+throughput  the realistic workload of bench_trainer.py (tiny Llama, vocabulary 32000, 4
+            prompts x G = 8, up to 128 new tokens, beta 0.04): steps/s of the synchronous
+            loop at 1 and at 2 torch threads and of K = 1 with the worker and the trainer
+            one thread each. Rounds alternate the three so that other processes' load hits
+            all alike; the first --warmup steps of each run are dropped (the worker's
+            start). Per-phase times feed the cost model (benchmarks/NOTES.md):
+                synchronous step  = rollout R + training T
+                asynchronous step = max(R_worker, T + proximal pass + weight copy)
+demo        the built-in demo (grpo-fast train, its default 300 steps) synchronous and
+            K = 1 for a few seeds: reward rise (last tenth's mean reward minus the first
+            tenth's) and the reward curves by step and by wall-clock second (PNG).
+
+python benchmarks/bench_async.py throughput --rounds 2    # -> results/async_cpu_realistic.json
+python benchmarks/bench_async.py demo --seeds 0 1 2       # -> results/async_demo.json, async_demo.png
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_trainer import realistic_workload  # noqa: E402
+
+from grpo_fast.bench.measure import machine_info, quantiles  # noqa: E402
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer, run_log  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SETUPS = {  # name -> (torch threads of the process, max_staleness)
+    "sync_1thread": (1, 0),
+    "sync_2threads": (2, 0),
+    "async_k1": (2, 1),  # the worker takes half of the threads: one each
+}
+
+
+def run_throughput(work, name: str, steps: int, seed: int) -> dict:
+    """One fresh run of ``steps`` steps: the interval between consecutive steps' ends, and
+    the phases: the rollout (make_rollout: in the synchronous loop sampling, rewards and
+    reference log-probs; asynchronously the wait for the worker, the proximal pass and the
+    reference log-probs) and the rest of the step."""
+    from transformers import AutoModelForCausalLM
+
+    threads, staleness = SETUPS[name]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    config = GRPOConfig(
+        steps=steps,
+        batch_size=work.batch_size,
+        group_size=work.group_size,
+        max_new_tokens=work.max_new_tokens,
+        beta=work.beta,
+        learning_rate=work.learning_rate,
+        warmup_steps=0,
+        output_dir=tempfile.mkdtemp(prefix="bench-async-"),
+        progress=False,
+        seed=seed,
+        max_staleness=staleness,
+    )
+    model = AutoModelForCausalLM.from_pretrained(work.model_dir, local_files_only=True, dtype=torch.float32)
+    trainer = GRPOTrainer(config, model=model, tokenizer=work.tokenizer, rows=work.rows, reward_funcs=[work.reward])
+    rollout_s, make_rollout = [], trainer.make_rollout
+
+    def timed():
+        start = time.perf_counter()
+        batch = make_rollout()
+        rollout_s.append(time.perf_counter() - start)
+        return batch
+
+    trainer.make_rollout = timed
+    times, history = [], []
+    try:
+        last = time.perf_counter()
+        for _ in range(steps):
+            history.append(trainer.train_step())
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+    finally:
+        trainer.close()
+        torch.set_num_threads(saved)
+    keys = ("rollout_wait_s", "worker_rollout_s", "worker_weight_wait_s", "weight_copy_s", "staleness")
+    phases = {key: [m[key] for m in history] for key in keys if key in history[0]}
+    return dict(times=times, rollout_s=rollout_s, **phases)
+
+
+def throughput(args) -> dict:
+    work = realistic_workload(args)
+    runs = {name: [] for name in SETUPS}
+    for _ in range(args.rounds):
+        for name in SETUPS:
+            runs[name].append(run_throughput(work, name, args.steps, args.seed))
+            print(
+                f"  {name}: median step {statistics.median(runs[name][-1]['times'][args.warmup :]):.2f} s", flush=True
+            )
+    results = {}
+    for name, rs in runs.items():
+        pooled = {key: [v for r in rs for v in r[key][args.warmup :]] for key in rs[0]}
+        stats = quantiles(pooled["times"])
+        stats["steps_per_s"] = 1 / stats["median_s"]
+        stats["phases_median_s"] = {key: statistics.median(v) for key, v in pooled.items() if key != "times"}
+        results[name] = stats
+    a, s1, s2 = (results[n]["steps_per_s"] for n in ("async_k1", "sync_1thread", "sync_2threads"))
+    results["async_over_sync_1thread"], results["async_over_sync_2threads"] = a / s1, a / s2
+    # The cost model on these two cores: a synchronous step at one thread is R1 + T1; K = 1 is
+    # max(R_worker, T_trainer), both measured on one core each.
+    p1, pa = results["sync_1thread"]["phases_median_s"], results["async_k1"]["phases_median_s"]
+    R1 = p1["rollout_s"]
+    T1 = results["sync_1thread"]["median_s"] - R1
+    trainer_busy = results["async_k1"]["median_s"] - pa["rollout_wait_s"]
+    predicted = max(pa["worker_rollout_s"], trainer_busy)
+    results["model"] = dict(
+        sync_1thread_rollout_s=R1,
+        sync_1thread_training_s=T1,
+        async_worker_rollout_s=pa["worker_rollout_s"],
+        async_trainer_busy_s=trainer_busy,
+        predicted_async_step_s=predicted,
+        measured_async_step_s=results["async_k1"]["median_s"],
+        predicted_over_sync_1thread=(R1 + T1) / predicted,
+    )
+    return dict(
+        setup=dict(steps=args.steps, warmup=args.warmup, rounds=args.rounds, model=work.description), results=results
+    )
+
+
+def demo(args) -> dict:
+    """The demo (its default config, one torch thread as the CLI sets) synchronous and K = 1."""
+    torch.set_num_threads(1)
+    curves = {}
+    for seed in args.seeds:
+        for staleness in (0, 1):
+            config = GRPOConfig(
+                seed=seed, max_staleness=staleness, progress=False, output_dir=tempfile.mkdtemp(prefix="demo-")
+            )
+            start = time.perf_counter()
+            trainer = GRPOTrainer(config)
+            stamps = []
+            step = trainer.train_step
+
+            def stamped(step=step, stamps=stamps):
+                metrics = step()
+                stamps.append(time.perf_counter() - start)
+                return metrics
+
+            trainer.train_step = stamped
+            history = trainer.train()
+            first, last = run_log.tenth_means(history)
+            curves[f"seed{seed}_k{staleness}"] = dict(
+                seed=seed,
+                max_staleness=staleness,
+                reward=[m["reward_mean"] for m in history],
+                wall_s=stamps,
+                rise=last - first,
+            )
+            print(f"  seed {seed} K={staleness}: rise {last - first:.3f} in {stamps[-1]:.1f} s", flush=True)
+    rises = {k: [c["rise"] for c in curves.values() if c["max_staleness"] == k] for k in (0, 1)}
+    gaps = [a - s for s, a in zip(rises[0], rises[1])]
+    return dict(curves=curves, rise_sync=rises[0], rise_async=rises[1], rise_gap_per_seed=gaps)
+
+
+def plot_demo(report: dict, path: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 3.5))
+    by_step, by_time = fig.subplots(1, 2)
+    for curve in report["curves"].values():
+        color = "tab:blue" if curve["max_staleness"] == 0 else "tab:orange"
+        label = f"{'synchronous' if curve['max_staleness'] == 0 else 'K = 1'}, seed {curve['seed']}"
+        smooth = [statistics.mean(curve["reward"][max(0, i - 9) : i + 1]) for i in range(len(curve["reward"]))]
+        by_step.plot(range(1, len(smooth) + 1), smooth, color=color, alpha=0.8, label=label)
+        by_time.plot(curve["wall_s"], smooth, color=color, alpha=0.8)
+    by_step.set_xlabel("step")
+    by_time.set_xlabel("wall-clock s (from the trainer's construction)")
+    for ax in (by_step, by_time):
+        ax.set_ylabel("reward (10-step mean)")
+        ax.grid(alpha=0.3)
+    by_step.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("throughput", "demo"))
+    parser.add_argument("--steps", type=int, default=6, help="throughput: steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2, help="throughput: steps dropped per run")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="demo: seeds")
+    parser.add_argument("--output-dir", default=RESULTS)
+    args = parser.parse_args()
+    report = throughput(args) if args.what == "throughput" else demo(args)
+    report["machine"] = machine_info()
+    os.makedirs(args.output_dir, exist_ok=True)
+    name = "async_cpu_realistic" if args.what == "throughput" else "async_demo"
+    path = os.path.join(args.output_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    if args.what == "demo":
+        plot_demo(report, os.path.join(args.output_dir, "async_demo.png"))
+        print(f"rise sync {report['rise_sync']}, K=1 {report['rise_async']}, gap {report['rise_gap_per_seed']}")
+    else:
+        r = report["results"]
+        print(json.dumps({k: v for k, v in r.items() if not isinstance(v, dict)}, indent=1))
+        print(json.dumps(r["model"], indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
