@@ -114,6 +114,9 @@ def throughput(args) -> dict:
     R1 = p1["rollout_s"]
     T1 = results["sync_1thread"]["median_s"] - R1
     trainer_busy = results["async_k1"]["median_s"] - pa["rollout_wait_s"]
+    # The trainer's make_rollout minus its wait: the proximal pass and the reference pass, two
+    # no-grad forwards of the same size; half of it is the proximal pass.
+    proximal = (pa["rollout_s"] - pa["rollout_wait_s"]) / 2
     predicted = max(pa["worker_rollout_s"], trainer_busy)
     results["model"] = dict(
         sync_1thread_rollout_s=R1,
@@ -123,6 +126,8 @@ def throughput(args) -> dict:
         predicted_async_step_s=predicted,
         measured_async_step_s=results["async_k1"]["median_s"],
         predicted_over_sync_1thread=(R1 + T1) / predicted,
+        proximal_pass_s=proximal,
+        proximal_share=proximal / (trainer_busy - proximal),
     )
     return dict(
         setup=dict(steps=args.steps, warmup=args.warmup, rounds=args.rounds, model=work.description), results=results
@@ -185,9 +190,47 @@ def plot_demo(report: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def straggler_factor(sigma: float, cap: float, rows: int, trials: int = 2000, seed: int = 0) -> float:
+    """kappa = E[longest of ``rows`` completions] / E[completion length] for log-normal lengths
+    (median 1, log-std ``sigma``) cut at ``cap`` x the median: how much longer a synchronous,
+    memory-bound decode (every step costs about the same, however few rows are still live)
+    takes than generation that keeps its batch full (continuous batching)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.exp(torch.randn(trials, rows, generator=g, dtype=torch.float64) * sigma).clamp(max=cap)
+    return (lengths.max(1).values.mean() / lengths.mean()).item()
+
+
+def predicted_gain(a: float, kappa: float, p: float) -> tuple:
+    """The GPU node's model, in units of the training time T of a step on all n GPUs:
+
+        colocated synchronous:  kappa * a + 1      (generation waits on its slowest sample)
+        two pools, K >= 1:      generation a / x on a share x of the GPUs (kept full),
+                                training (1 + p) / (1 - x) on the rest (p: the proximal pass)
+        best split x = a / (a + 1 + p)  ->  step = a + 1 + p
+
+    ``a``: generation at full occupancy over training, on the same GPUs. Returns (gain, x)."""
+    return (kappa * a + 1) / (a + 1 + p), a / (a + 1 + p)
+
+
+def model(args) -> dict:
+    """The GPU prediction from the measured proximal-pass share (the throughput JSON) and
+    log-normal lengths, for a few generation/training ratios a."""
+    with open(os.path.join(args.output_dir, "async_cpu_realistic.json")) as f:
+        measured = json.load(f)["results"]["model"]
+    p = measured["proximal_share"]
+    rows = []
+    for sigma in (0.6, 1.0):
+        kappa = straggler_factor(sigma, cap=8.0, rows=64)
+        for a in (0.5, 1.0, 2.0):
+            gain, x = predicted_gain(a, kappa, p)
+            rows.append(dict(sigma=sigma, kappa=kappa, a=a, p=p, generation_share=x, predicted_gain=gain))
+            print(f"sigma {sigma} kappa {kappa:.2f} a {a} p {p:.2f}: gain {gain:.2f}x, generation GPUs {x:.0%}")
+    return dict(measured=measured, predictions=rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("throughput", "demo"))
+    parser.add_argument("what", choices=("throughput", "demo", "model"))
     parser.add_argument("--steps", type=int, default=6, help="throughput: steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=2, help="throughput: steps dropped per run")
     parser.add_argument("--rounds", type=int, default=2)
@@ -195,17 +238,17 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="demo: seeds")
     parser.add_argument("--output-dir", default=RESULTS)
     args = parser.parse_args()
-    report = throughput(args) if args.what == "throughput" else demo(args)
+    report = dict(throughput=throughput, demo=demo, model=model)[args.what](args)
     report["machine"] = machine_info()
     os.makedirs(args.output_dir, exist_ok=True)
-    name = "async_cpu_realistic" if args.what == "throughput" else "async_demo"
+    name = dict(throughput="async_cpu_realistic", demo="async_demo", model="async_gpu_model")[args.what]
     path = os.path.join(args.output_dir, f"{name}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     if args.what == "demo":
         plot_demo(report, os.path.join(args.output_dir, "async_demo.png"))
         print(f"rise sync {report['rise_sync']}, K=1 {report['rise_async']}, gap {report['rise_gap_per_seed']}")
-    else:
+    elif args.what == "throughput":
         r = report["results"]
         print(json.dumps({k: v for k, v in r.items() if not isinstance(v, dict)}, indent=1))
         print(json.dumps(r["model"], indent=1))
