@@ -110,7 +110,9 @@ class AsyncRollouts:
         context = torch.multiprocessing.get_context("spawn")
         version = trainer.step * config.num_iterations
         self.params = [(name, p) for name, p in trainer.policy.named_parameters() if p.requires_grad]
-        self.slots = [{name: p.detach().to("cpu", copy=True).share_memory_() for name, p in self.params} for _ in "ab"]
+        self.slots = [
+            {name: p.detach().to("cpu", copy=True).share_memory_() for name, p in self.params} for _ in range(2)
+        ]
         self.locks = [context.Lock(), context.Lock()]
         self.slot_versions = context.Array("q", [version, version], lock=False)
         self.version = context.Value("q", version, lock=False)
