@@ -181,6 +181,7 @@ def test_hf_engine_runs_asynchronously_on_a_named_device(tmp_path):
     assert abs(metrics["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_after_the_trained_steps(tmp_path):
     """Batches in flight when a checkpoint is written are not in it: a resumed run samples
     them again, from the data position after the last trained batch."""
@@ -255,6 +256,7 @@ TRAINER_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_killed_trainer_ends_its_worker(tmp_path):
     trainer = subprocess.Popen(
@@ -275,6 +277,7 @@ def children(pid: int) -> list:
         return [int(x) for x in f.read().split()]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ctrl_c_stops_trainer_and_worker(tmp_path):
     """SIGINT to the terminal's process group (what Ctrl-C sends): the trainer stops and takes
@@ -296,6 +299,7 @@ def test_ctrl_c_stops_trainer_and_worker(tmp_path):
             os.killpg(trainer.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_asynchronous_demo_learns(tmp_path):
     """K = 1 on the demo task learns (the reward rises): the measured comparison with the
     synchronous run is in benchmarks/NOTES.md."""
