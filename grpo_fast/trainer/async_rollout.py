@@ -56,6 +56,7 @@ import time
 import traceback
 
 import torch
+import transformers
 
 from grpo_fast.trainer.generators import make_generator
 from grpo_fast.trainer.packed_policy import PackedPolicy
@@ -256,15 +257,13 @@ class Worker:
     """Samples and scores the requested batches with the newest published weights."""
 
     def __init__(self, setup: WorkerSetup):
-        from grpo_fast.trainer.grpo import seed_everything
-
         self.setup, config = setup, setup.config
         self.device = torch.device(setup.device)
         if self.device.type == "cpu":
             torch.set_num_threads(setup.threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        seed_everything(config.seed + setup.rank)  # the Hugging Face engine draws from torch's generator
+        transformers.set_seed(config.seed + setup.rank)  # the Hugging Face engine draws from torch's generator
         self.model = setup.model.to(self.device)
         self.params = dict(self.model.named_parameters())
         self.loaded = -1
