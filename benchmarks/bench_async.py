@@ -49,27 +49,10 @@ def run_throughput(work, name: str, steps: int, seed: int) -> dict:
     the phases: the rollout (make_rollout: in the synchronous loop sampling, rewards and
     reference log-probs; asynchronously the wait for the worker, the proximal pass and the
     reference log-probs) and the rest of the step."""
-    from transformers import AutoModelForCausalLM
-
     threads, staleness = SETUPS[name]
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
-    config = GRPOConfig(
-        steps=steps,
-        batch_size=work.batch_size,
-        group_size=work.group_size,
-        max_new_tokens=work.max_new_tokens,
-        beta=work.beta,
-        learning_rate=work.learning_rate,
-        warmup_steps=0,
-        output_dir=tempfile.mkdtemp(prefix="bench-async-"),
-        progress=False,
-        seed=seed,
-        max_staleness=staleness,
-        **CORRECTION,
-    )
-    model = AutoModelForCausalLM.from_pretrained(work.model_dir, local_files_only=True, dtype=torch.float32)
-    trainer = GRPOTrainer(config, model=model, tokenizer=work.tokenizer, rows=work.rows, reward_funcs=[work.reward])
+    trainer = work.trainer(steps=steps, seed=seed, max_staleness=staleness, **CORRECTION)
     rollout_s, make_rollout = [], trainer.make_rollout
 
     def timed():

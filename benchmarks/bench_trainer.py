@@ -66,6 +66,25 @@ class Workload:
     steps: int  # defaults of --steps / --warmup for this workload
     warmup: int
 
+    def trainer(self, **options) -> GRPOTrainer:
+        """A fresh grpo_fast trainer on this workload (its model, rows, reward and shape; no
+        warmup, no progress bar, a temporary output folder), with `options` as config fields."""
+        from transformers import AutoModelForCausalLM
+
+        config = GRPOConfig(
+            batch_size=self.batch_size,
+            group_size=self.group_size,
+            max_new_tokens=self.max_new_tokens,
+            beta=self.beta,
+            learning_rate=self.learning_rate,
+            warmup_steps=0,
+            output_dir=tempfile.mkdtemp(prefix="bench-grpo-fast-"),
+            progress=False,
+            **options,
+        )
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, local_files_only=True, dtype=torch.float32)
+        return GRPOTrainer(config, model=model, tokenizer=self.tokenizer, rows=self.rows, reward_funcs=[self.reward])
+
 
 # ----------------------------------------------------------------------------- the workloads
 
@@ -258,24 +277,7 @@ WORKLOADS = {"demo": demo_workload, "realistic": realistic_workload}
 
 def run_ours(work: Workload, args, steps: int) -> dict:
     """Per-step seconds, tokens and batch layout of one fresh grpo_fast run."""
-    from transformers import AutoModelForCausalLM
-
-    config = GRPOConfig(
-        steps=steps,
-        batch_size=work.batch_size,
-        group_size=work.group_size,
-        max_new_tokens=work.max_new_tokens,
-        beta=work.beta,
-        learning_rate=work.learning_rate,
-        warmup_steps=0,
-        loss_type="grpo",
-        generator=args.generator,
-        output_dir=tempfile.mkdtemp(prefix="bench-grpo-fast-"),
-        progress=False,
-        seed=args.seed,
-    )
-    model = AutoModelForCausalLM.from_pretrained(work.model_dir, local_files_only=True, dtype=torch.float32)
-    trainer = GRPOTrainer(config, model=model, tokenizer=work.tokenizer, rows=work.rows, reward_funcs=[work.reward])
+    trainer = work.trainer(steps=steps, loss_type="grpo", generator=args.generator, seed=args.seed)
     os.makedirs(trainer.output_dir, exist_ok=True)
     layouts = []
     sample = trainer.sample_groups

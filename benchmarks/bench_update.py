@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,28 +32,13 @@ def worker(fused_linear: bool, steps: int) -> dict:
     torch.set_num_threads(1)
     sys.path.insert(0, HERE)
     from bench_trainer import realistic_workload
-    from transformers import AutoModelForCausalLM
-
-    from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 
     path = os.path.join(REPO, "grpo_fast", "bench", "measure.py")
     spec = importlib.util.spec_from_file_location("measure_here", path)
     measure = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(measure)
     work = realistic_workload(argparse.Namespace(seed=0))
-    config = GRPOConfig(
-        batch_size=work.batch_size,
-        group_size=work.group_size,
-        max_new_tokens=work.max_new_tokens,
-        beta=work.beta,
-        learning_rate=work.learning_rate,
-        warmup_steps=0,
-        fused_linear=fused_linear,
-        output_dir=tempfile.mkdtemp(prefix="bench-update-"),
-        progress=False,
-    )
-    model = AutoModelForCausalLM.from_pretrained(work.model_dir, local_files_only=True, dtype=torch.float32)
-    trainer = GRPOTrainer(config, model=model, tokenizer=work.tokenizer, rows=work.rows, reward_funcs=[work.reward])
+    trainer = work.trainer(fused_linear=fused_linear)
     batch = trainer.make_rollout()
     trainer.make_rollout = lambda: batch
     trainer.train_step()
