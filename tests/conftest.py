@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before triton is first imported, so it is set here,
 top of the first module pytest loads. ``GRPO_FAST_TEST_CUDA=1`` keeps real CUDA kernels.
 """
 
+import math
 import os
 
 if os.environ.get("GRPO_FAST_TEST_CUDA") != "1":
@@ -109,3 +110,18 @@ def make_case(B=3, T=5, V=37, *, dtype=torch.float32, regime="unclipped", seq_ad
     mask = torch.ones(B, T)
     mask[-1, T // 2 :] = 0
     return dict(logits=logits, ids=ids, advantages=adv, mask=mask, old_logprobs=old, ref_logprobs=ref)
+
+
+def trl_sampling_correction(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16's vllm_importance_sampling_correction (GRPOTrainer._generate_and_score_completions),
+    restated step by step in float64: masked log-ratio, NaN sampling log-probs count 0, a sum over
+    the sequence for sequence_* modes, then clamp (truncate) or zero outside the bounds (mask)."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import completion_logits, rel_err
+from conftest import completion_logits, rel_err, trl_sampling_correction
 
 from grpo_fast import reference
 from grpo_fast.spec import SAMPLING_CORRECTIONS, sampling_correction
@@ -32,21 +32,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def small_config(tmp_path, **overrides) -> GRPOConfig:
     return GRPOConfig(**{**SMALL, "output_dir": str(tmp_path / "run"), **overrides})
-
-
-def trl_importance_weights(old, sampling, mask, mode, clip_min, clip_max):
-    """TRL 1.16's vllm_importance_sampling_correction (GRPOTrainer._generate_and_score_completions),
-    restated step by step in float64: masked log-ratio, NaN sampling log-probs count 0, a sum over
-    the sequence for sequence_* modes, then clamp (truncate) or zero outside the bounds (mask)."""
-    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
-    if mode.startswith("sequence"):
-        diff = diff.sum(dim=-1, keepdim=True)
-    ratio = torch.exp(diff)
-    if mode.endswith("truncate"):
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
-    low = clip_min if clip_min is not None else -math.inf
-    high = clip_max if clip_max is not None else math.inf
-    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 @pytest.mark.parametrize("mode", list(SAMPLING_CORRECTIONS))
@@ -65,7 +50,7 @@ def test_sampling_metrics_are_trls(mode):
     metrics = sampling_metrics(
         proximal, sampling, mask, correction.ratio, mode.startswith("sequence"), Ranks(torch.device("cpu"))
     )
-    expected = trl_importance_weights(proximal, sampling, mask, mode, 0.5, 1.5)
+    expected = trl_sampling_correction(proximal, sampling, mask, mode, 0.5, 1.5)
     active = mask.bool() & ~sampling.isnan()
     gap = (proximal - sampling).abs()[active]
     flat = expected.flatten() if mode.startswith("sequence") else expected[mask.bool()]
@@ -149,7 +134,9 @@ def test_stale_batches_train_on_the_float64_reference_loss_with_the_correction(t
         ids, mask = batch.input_ids[:, -C:], batch.completion_mask.double()
         logits = completion_logits(policy, batch.input_ids, batch.attention_mask, C)
         proximal = reference.token_logprobs(logits, ids).detach()
-        weights = trl_importance_weights(proximal, batch.sampling_logprobs.double(), mask, "token_truncate", None, 1.02)
+        weights = trl_sampling_correction(
+            proximal, batch.sampling_logprobs.double(), mask, "token_truncate", None, 1.02
+        )
         clipped += int((weights[mask.bool()] == 1.02).sum())
         reference.grpo_loss(
             logits,

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import BACKENDS, batch_args, make_case, max_err, rel_err
+from conftest import BACKENDS, batch_args, make_case, max_err, rel_err, trl_sampling_correction
 
 import grpo_fast
 from grpo_fast import LossConfig, reference, spec
@@ -194,22 +194,6 @@ def test_toy_loss_type_reaches_the_trainers_micro_batch_weights(toy_loss_type, t
 
 
 # ---------------------------------------------------------------- sampling correction
-
-
-def trl_sampling_correction(old, sampling, mask, mode, clip_min, clip_max):
-    """TRL 1.16's vLLM importance-sampling ratio (GRPOTrainer._generate_and_score_completions),
-    transcribed in float64: the reference of ``spec.sampling_correction``."""
-    import math
-
-    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
-    if mode.startswith("sequence"):
-        diff = diff.sum(-1, keepdim=True)
-    ratio = torch.exp(diff)
-    if mode.endswith("truncate"):
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
-    low = clip_min if clip_min is not None else -math.inf
-    high = clip_max if clip_max is not None else math.inf
-    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 @pytest.mark.parametrize("mode", sorted(spec.SAMPLING_CORRECTIONS))
