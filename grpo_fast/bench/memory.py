@@ -264,8 +264,13 @@ def worker(spec: dict) -> dict:
 
     ranks = [None] * trainer.ranks.world_size
     dist.all_gather_object(ranks, result)
-    distributed.shutdown()
-    return dict(ranks[0], peak_bytes=max(r["peak_bytes"] for r in ranks), ranks=ranks)
+    if trainer.ranks.is_main:
+        print(json.dumps(dict(ranks[0], peak_bytes=max(r["peak_bytes"] for r in ranks), ranks=ranks)), flush=True)
+    # Freeing the DDP reducer's gloo group after the last collective can deadlock in torch
+    # (its destructor joins a gloo thread that waits for the GIL to free the all-gather's
+    # tensors; seen in 1 of 2 runs here): the numbers are out, so leave without the teardown.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------- the driver
@@ -555,9 +560,7 @@ def main(argv=None, prog: str | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        result = worker(json.loads(args.worker))
-        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank returns every rank's numbers
-            print(json.dumps(result))
+        print(json.dumps(worker(json.loads(args.worker))))  # under torchrun the worker prints and exits itself
         return 0
     return command(args)
 
