@@ -33,9 +33,6 @@ from grpo_fast.bench.measure import machine_info, quantiles  # noqa: E402
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer, run_log  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-# The correction the recorded runs used (benchmarks/NOTES.md, results/async_demo.*): the token-level
-# truncated ratio, measured before the trainer's default became TRL's sequence_mask.
-CORRECTION = dict(sampling_correction="token_truncate", sampling_correction_max=3.0)
 
 SETUPS = {  # name -> (torch threads of the process, max_staleness)
     "sync_1thread": (1, 0),
@@ -52,7 +49,7 @@ def run_throughput(work, name: str, steps: int, seed: int) -> dict:
     threads, staleness = SETUPS[name]
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
-    trainer = work.trainer(steps=steps, seed=seed, max_staleness=staleness, **CORRECTION)
+    trainer = work.trainer(steps=steps, seed=seed, max_staleness=staleness)
     rollout_s, make_rollout = [], trainer.make_rollout
 
     def timed():
@@ -123,8 +120,7 @@ def throughput(args) -> dict:
 
 
 def demo(args) -> dict:
-    """The demo (its default config but the recorded runs' correction, one torch thread as the CLI
-    sets) synchronous and K = 1."""
+    """The demo (its default config, one torch thread as the CLI sets) synchronous and K = 1."""
     torch.set_num_threads(1)
     curves = {}
     for seed in args.seeds:
@@ -134,7 +130,6 @@ def demo(args) -> dict:
                 max_staleness=staleness,
                 progress=False,
                 output_dir=tempfile.mkdtemp(prefix="demo-"),
-                **CORRECTION,
             )
             start = time.perf_counter()
             trainer = GRPOTrainer(config)

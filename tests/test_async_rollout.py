@@ -61,7 +61,8 @@ def test_sampling_metrics_are_trls(mode):
         "sampling/importance_sampling_ratio/mean": flat.mean(),
         "sampling/importance_sampling_ratio/max": flat.max(),
     }
-    assert metrics == pytest.approx({key: value.item() for key, value in want.items()}, rel=1e-12)
+    got = {key: value.item() for key, value in metrics.items()}
+    assert got == pytest.approx({key: value.item() for key, value in want.items()}, rel=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -97,60 +98,76 @@ def test_synchronous_loop_starts_no_worker_and_has_no_correction(tmp_path):
 
 
 def gradient_step(trainer):
-    """One step through the trainer's own pieces: ``(batch with advantages, metrics of the
-    batch, the gradient [P] flat, the policy as the step started)``; then the optimizer step."""
-    policy = copy.deepcopy(trainer.policy)
-    batch = trainer.compute_advantages(trainer.make_rollout())
-    metrics = {**trainer.extra_metrics(batch), **batch.sampling_metrics}
-    trainer.accumulate_gradients(batch, batch.completion_mask.sum())
-    gradient = torch.cat([p.grad.flatten() for p in trainer.policy.parameters()])
-    trainer.optimizer_step()
-    trainer.step += 1
-    return batch, metrics, gradient, policy
+    """One training step: ``(its batch, its metrics, [(the gradient [P] flat as an optimizer
+    step receives it, the policy it was computed at)] for each of its passes)``."""
+    passes, optimizer_step = [], trainer.optimizer_step
+
+    def recorded():
+        gradient = torch.cat([p.grad.flatten() for p in trainer.policy.parameters()])
+        passes.append((gradient, copy.deepcopy(trainer.policy)))
+        return optimizer_step()
+
+    trainer.optimizer_step = recorded
+    try:
+        metrics = trainer.train_step()
+    finally:
+        del trainer.optimizer_step
+    return trainer.last_rollout, metrics, passes
 
 
-@pytest.mark.parametrize("fused_linear", [False, True], ids=["logits", "fused_linear"])
-def test_stale_batches_train_on_the_float64_reference_loss_with_the_correction(tmp_path, fused_linear):
-    """K = 2: each step's gradient is the float64 reference loss's on its batch, at the weights
-    the step started with (the proximal policy), with TRL's truncated weight of proximal vs the
-    sampler's log-probs; the batches are stale (the worker samples ahead); the first batch,
-    sampled by the initial weights, is the synchronous loop's first batch with its gradient."""
-    overrides = dict(sampling_correction="token_truncate", sampling_correction_max=1.02)
+@pytest.mark.parametrize(
+    "fused_linear, mode, num_iterations",
+    [(False, "token_truncate", 1), (True, "sequence_truncate", 2)],
+    ids=["logits-token", "fused_linear-sequence-2passes"],
+)
+def test_stale_batches_train_on_the_float64_reference_loss_with_the_correction(
+    tmp_path, fused_linear, mode, num_iterations
+):
+    """K = 2: each pass's gradient is the float64 reference loss's on its batch, at the pass's
+    weights, with the step's first weights as the proximal (old) policy and TRL's truncated
+    weight of proximal vs the sampler's log-probs (computed in the first pass, no extra
+    forward); the batches are stale (the worker samples ahead); the first batch, sampled by
+    the initial weights, is the synchronous loop's first batch with its gradient."""
+    overrides = dict(sampling_correction=mode, sampling_correction_max=1.02, num_iterations=num_iterations)
     overrides.update(beta=0.04, learning_rate=3e-2, fused_linear=fused_linear)
-    sync_batch, _, sync_gradient, _ = gradient_step(GRPOTrainer(small_config(tmp_path / "sync", **overrides)))
+    sync_batch, _, sync_passes = gradient_step(GRPOTrainer(small_config(tmp_path / "sync", **overrides)))
     trainer = GRPOTrainer(small_config(tmp_path, max_staleness=2, **overrides))
     try:
         records = [gradient_step(trainer) for _ in range(4)]
     finally:
         trainer.close()
     assert records[0][0].completions == sync_batch.completions
-    assert rel_err(records[0][2], sync_gradient) < 1e-5
-    staleness = [metrics["staleness"] for _, metrics, _, _ in records]
+    assert rel_err(records[0][2][0][0], sync_passes[0][0]) < 1e-5
+    staleness = [metrics["staleness"] for _, metrics, _ in records]
     assert max(staleness) >= 1 and all(0 <= s <= 2 for s in staleness), staleness
     clipped = 0
-    for batch, metrics, gradient, policy in records:
-        policy = policy.double()
+    for batch, metrics, passes in records:
+        assert len(passes) == num_iterations
         C = batch.completion_mask.shape[1]
         ids, mask = batch.input_ids[:, -C:], batch.completion_mask.double()
-        logits = completion_logits(policy, batch.input_ids, batch.attention_mask, C)
-        proximal = reference.token_logprobs(logits, ids).detach()
-        weights = trl_sampling_correction(
-            proximal, batch.sampling_logprobs.double(), mask, "token_truncate", None, 1.02
-        )
+
+        def logits_at(policy):
+            return completion_logits(policy.double(), batch.input_ids, batch.attention_mask, C)
+
+        proximal = reference.token_logprobs(logits_at(passes[0][1]), ids).detach()
+        weights = trl_sampling_correction(proximal, batch.sampling_logprobs.double(), mask, mode, None, 1.02)
+        weights = weights.expand_as(mask)  # a sequence mode's ratio [N, 1] on each of its tokens
         clipped += int((weights[mask.bool()] == 1.02).sum())
-        reference.grpo_loss(
-            logits,
-            ids,
-            batch.advantages.advantages.double(),
-            mask,
-            proximal,
-            batch.ref_logprobs.double(),
-            importance_weights=weights,
-            beta=0.04,
-            max_completion_length=3,
-        ).loss.backward()
-        expected = torch.cat([p.grad.flatten() for p in policy.parameters()])
-        assert rel_err(gradient, expected) < 1e-4
+        for gradient, policy in passes:
+            policy = policy.double()
+            reference.grpo_loss(
+                logits_at(policy),
+                ids,
+                batch.advantages.advantages.double(),
+                mask,
+                proximal,
+                batch.ref_logprobs.double(),
+                importance_weights=weights,
+                beta=0.04,
+                max_completion_length=3,
+            ).loss.backward()
+            expected = torch.cat([p.grad.flatten() for p in policy.parameters()])
+            assert rel_err(gradient, expected) < 1e-4
         assert metrics["sampling/importance_sampling_ratio/max"] <= 1.02 + 1e-6
         assert metrics["rollout_wait_s"] >= 0 and metrics["worker_weight_wait_s"] >= 0
     assert clipped > 0  # the cap was reached: the correction is exercised, not all ones

@@ -6,9 +6,10 @@
                                                  sample G per prompt, score (rewards, sandbox)
                                                  sampling log-probs: the engine's, or a forward
     receive batch b  <-------------------------  (rollout, its policy version, timings)
-    proximal log-probs (a forward at the step's
-    first weights), the sampling correction,
-    reference log-probs, advantages, update
+    reference log-probs, advantages; the first
+    training pass (the step's first weights:
+    the proximal policy) applies the sampling
+    correction from its own log-probs; update
     after every optimizer step: publish the
     weights (copy, version += 1)
 
@@ -22,12 +23,12 @@ only), each with a lock. The trainer writes the slot the newest version is not i
 waits only in the rare case that the worker is still copying from that slot (one copy); the
 worker reads the newest slot and the version stored with it.
 
-The correction: a worker's batch always carries its ``sampling_logprobs``, so the trainer's
-``make_rollout`` corrects it as it corrects the vllm engine's batches (``correct_sampling``,
-once): it recomputes the sampled tokens' log-probs under the weights it starts the step with
-(the proximal policy: the clip's ``old_logprobs``) and weighs each token's (or sequence's)
+The correction: a worker's batch always carries its ``sampling_logprobs``, so the trainer
+corrects it as it corrects the vllm engine's batches (``GRPOTrainer.corrects``): the step's
+first training pass computes the sampled tokens' log-probs under the weights the step starts
+with (the proximal policy: the clip's old log-probs) and weighs each token's (or sequence's)
 policy term by the bounded ratio proximal / sampling, the loss spec's
-:func:`~grpo_fast.spec.sampling_correction`.
+:func:`~grpo_fast.spec.sampling_correction`, with no pass of its own.
 
 Data and checkpoints: the trainer alone walks the data order; a request carries the rows. Its
 ``data_position`` is the position after the last batch it trained on, so a checkpoint

@@ -313,38 +313,56 @@ class GRPOTrainer:
     # ---------------------------------------------------------------- one step
     def make_rollout(self) -> Rollout:
         """The step's experience: samples (the rollout worker's batch when max_staleness >= 1),
-        rewards, the sampling correction where the samples' log-probs are not the trainer's (the
-        vllm engine, a worker's possibly stale batch), and the reference log-probs (beta != 0)."""
+        rewards, and the reference log-probs (beta != 0). The sampling correction, where the
+        samples' log-probs are not the trainer's (the vllm engine, a worker's possibly stale
+        batch), is left to the step's first training pass (:meth:`corrects`)."""
         batch = self.pack_batch(self.async_rollouts.next() if self.async_rollouts else self.sample_groups())
-        if batch.sampling_logprobs is not None and self.config.sampling_correction is not None:
-            batch = self.correct_sampling(batch)
         if self.reference is not None and self.ranks.sum(batch.input_ids.shape[0]):
             with reference_context(self.policy, self.reference):
                 batch = dataclasses.replace(batch, ref_logprobs=self.packed_logprobs(self.reference_module, batch))
         return batch
 
-    def correct_sampling(self, batch: Rollout) -> Rollout:
-        """The loss's importance weights for an engine whose log-probs differ from the trainer's
-        (the loss spec's ``sampling_correction``, TRL's): the trainer's own log-probs at the
-        sampling weights come from one more no-grad pass, as in TRL, and serve as the old
-        log-probs too. Logs TRL's ``sampling/*`` metrics over every rank's tokens."""
-        config, mask = self.config, batch.completion_mask
-        proximal = self.packed_logprobs(self.packed_policy, batch)
-        correction = sampling_correction(
+    def corrects(self, batch: Rollout) -> bool:
+        """Whether ``batch`` needs the loss spec's ``sampling_correction`` (TRL's) and has not
+        had it yet. Its weights compare the trainer's log-probs at the weights the step starts
+        with (the proximal policy) with the sampler's: those are the first training pass's
+        own log-probs, so that pass computes the weights micro-batch by micro-batch
+        (``PackedPolicy``'s ``correct``) and no extra forward runs, where TRL runs one; the
+        step then keeps them, with the proximal log-probs as the old ones, for its later
+        passes (:meth:`after_first_pass`)."""
+        return (
+            batch.sampling_logprobs is not None
+            and self.config.sampling_correction is not None
+            and batch.importance_weights is None
+        )
+
+    def sampling_correction(self, proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor):
+        """The run's ``spec.sampling_correction`` of log-probs [n, C]."""
+        config = self.config
+        return sampling_correction(
             proximal,
-            batch.sampling_logprobs,
+            behaviour,
             mask,
             mode=config.sampling_correction,
             clip_min=config.sampling_correction_min,
             clip_max=config.sampling_correction_max,
         )
-        sequence_level = SAMPLING_CORRECTIONS[config.sampling_correction][0] == "sequence"
-        metrics = sampling_metrics(
-            proximal, batch.sampling_logprobs, mask, correction.ratio, sequence_level, self.ranks
-        )
-        return dataclasses.replace(
-            batch, old_logprobs=proximal, importance_weights=correction.weights, sampling_metrics=metrics
-        )
+
+    def after_first_pass(self, batch: Rollout, proximal: torch.Tensor) -> Rollout:
+        """The batch as the step's later passes use it, given the first pass's log-probs [N, C]
+        (the proximal policy's): those as the old log-probs when num_iterations > 1, and the
+        sampling correction's weights and TRL's ``sampling/*`` metrics (device tensors, read
+        with the step's) over every rank's tokens."""
+        changes = dict(old_logprobs=proximal) if self.config.num_iterations > 1 else {}
+        if self.corrects(batch):
+            mask = batch.completion_mask
+            correction = self.sampling_correction(proximal, batch.sampling_logprobs, mask)
+            sequence_level = SAMPLING_CORRECTIONS[self.config.sampling_correction][0] == "sequence"
+            metrics = sampling_metrics(
+                proximal, batch.sampling_logprobs, mask, correction.ratio, sequence_level, self.ranks
+            )
+            changes.update(importance_weights=correction.weights, sampling_metrics=metrics)
+        return dataclasses.replace(batch, **changes)
 
     @torch.no_grad()
     def packed_logprobs(self, module: PackedPolicy, batch: Rollout) -> torch.Tensor:
@@ -446,6 +464,13 @@ class GRPOTrainer:
             return None if x is None else x[rows][row, col]
 
         advantages = batch.advantages.advantages[rows]  # [n] per sequence, or [n, C] (PPO)
+        correct = None
+        if self.corrects(batch):
+            behaviour, mask = batch.sampling_logprobs[rows], batch.completion_mask[rows]
+
+            def correct(logp):  # the micro-batch's log-probs [Nc] -> its importance weights [Nc]
+                return self.sampling_correction(to_grid(logp.unsqueeze(0), packed), behaviour, mask).weights[row, col]
+
         inputs = LossInputs(
             advantages.unsqueeze(1) if advantages.dim() == 1 else tokens(batch.advantages.advantages),
             tokens(batch.completion_mask),
@@ -455,7 +480,7 @@ class GRPOTrainer:
             num_items_in_batch=num_items,
             cu_seqlens=packed.completion_cu_seqlens,
         )
-        return self.train_module(packed, inputs, fused_linear=self.config.fused_linear)
+        return self.train_module(packed, inputs, fused_linear=self.config.fused_linear, correct=correct)
 
     def accumulate_gradients(
         self, batch: Rollout, num_items: torch.Tensor, logprobs: list | None = None, *, read: bool = True
@@ -563,12 +588,14 @@ class GRPOTrainer:
         num_items = self.ranks.sum(batch.completion_mask.sum())  # active tokens of the whole batch (dapo/cispo/bnpo)
         passes = []
         for _ in range(self.config.num_iterations):
-            # The first pass runs at the sampling weights: its log-probs are the old policy's.
-            record = [] if batch.old_logprobs is None and self.config.num_iterations > 1 else None
+            # The first pass runs at the weights the step starts with: its log-probs are the
+            # old (proximal) policy's, which the later passes and the sampling correction read.
+            first = batch.old_logprobs is None and (self.config.num_iterations > 1 or self.corrects(batch))
+            record = [] if first else None
             sums = self.accumulate_gradients(batch, num_items, record, read=False)
             if record is not None:
-                batch = dataclasses.replace(
-                    batch, old_logprobs=torch.cat(record) if record else torch.zeros_like(batch.completion_mask)
+                batch = self.after_first_pass(
+                    batch, torch.cat(record) if record else torch.zeros_like(batch.completion_mask)
                 )
             sums.update(self.optimizer_step())
             passes.append(sums)
@@ -604,6 +631,7 @@ class GRPOTrainer:
             completion_len_mean=lengths.mean(),
             tokens=ranks.sum(batch.attention_mask.sum()),
             **{f"rewards/{name}": rewards[:, k].nanmean() for k, name in enumerate(self.reward_names)},
+            **batch.sampling_metrics,
         )
         *passes, stats = self.read_metrics([*passes, stats])
         elapsed = time.perf_counter() - start
@@ -623,7 +651,7 @@ class GRPOTrainer:
             peak_mem_bytes=ranks.max(self._peak_memory()),
             learning_rate=self.scheduler.get_last_lr()[0],
             **extra,
-            **batch.sampling_metrics,
+            **{key: stats[key] for key in batch.sampling_metrics},
             **getattr(self.generator, "metrics", dict)(),
         )
         if self.config.dynamic_sampling:

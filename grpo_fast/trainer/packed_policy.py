@@ -10,7 +10,7 @@ must run inside it (anywhere else that weight is one rank's shard).
 
 import torch
 
-from grpo_fast import policy_loss, token_logprobs
+from grpo_fast import fused_linear_token_logprobs, policy_loss, token_logprobs
 from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_with_tokens
 from grpo_fast.ops.policy import LossInputs
 from grpo_fast.spec import LossConfig
@@ -48,6 +48,7 @@ class PackedPolicy(torch.nn.Module):
         inputs: LossInputs | None = None,
         *,
         fused_linear: bool = False,
+        correct=None,
     ):
         """Without ``inputs``: the completion tokens' log-probs [n, C] (0 where a row has no
         token), differentiable when gradients are enabled.
@@ -57,13 +58,26 @@ class PackedPolicy(torch.nn.Module):
         being ``policy_loss`` of the packed log-probs, or with ``fused_linear`` the loss from
         the last hidden states [Nc, H] and the LM head (``fused_linear_grpo_loss``, never the
         [Nc, V] logits). No padded grid either way.
+
+        ``correct`` (with ``inputs``): a function of the micro-batch's log-probs [Nc] (detached)
+        that gives its ``importance_weights`` [Nc], the sampling correction. These weights are
+        the policy's as the step starts, so these log-probs are the correction's proximal
+        ones: no other pass over the model computes them (the fused LM head sweeps the
+        vocabulary once more for them, without gradients).
         """
         config = self.loss_config
         with autocast(packed.input_ids.device, self.bf16):
             if inputs is not None and fused_linear:
                 head = self.policy.get_output_embeddings()
+                hidden = packed_hidden(self.policy, packed)
+                if correct is not None:
+                    with torch.no_grad():
+                        logp = fused_linear_token_logprobs(
+                            hidden, head.weight, packed.targets[0], bias=head.bias, temperature=config.temperature
+                        )
+                    inputs = inputs._replace(importance_weights=correct(logp))
                 out, tokens = fused_linear_loss_with_tokens(
-                    packed_hidden(self.policy, packed),
+                    hidden,
                     head.weight,
                     head.bias,
                     packed.targets[0],
@@ -77,6 +91,8 @@ class PackedPolicy(torch.nn.Module):
             return to_grid(token_logprobs(logits, packed.targets, temperature=config.temperature), packed)
         logp = token_logprobs(logits, packed.targets, temperature=config.temperature, return_entropy=self.entropy)
         logp, entropy = (x[0] for x in logp) if self.entropy else (logp[0], None)
+        if correct is not None:
+            inputs = inputs._replace(importance_weights=correct(logp.detach()))
         out = policy_loss(
             logp,
             inputs.advantages,

@@ -100,23 +100,32 @@ def _first_failing_sample(func: Callable, prompts: list, completions: list, colu
 
 
 def sampling_metrics(proximal, behaviour, mask, ratio, sequence_level: bool, ranks) -> dict:
-    """TRL's ``sampling/*`` metrics of a sampling correction over every rank's rows: the mean and
+    """TRL's ``sampling/*`` metrics of a sampling correction over every rank's rows, as 0-dim
+    float64 tensors on the rows' device (read with the step's other metrics): the mean and
     largest |proximal - behaviour| over completion tokens (NaN left out), and the smallest, mean
     and largest bounded ratio [N, T] over tokens, or [N, 1] over sequences (0 when none)."""
     active = mask.bool()
     diff = (proximal - behaviour).abs()
-    diff = diff[active & ~diff.isnan()]
-    ratio = ratio.flatten() if sequence_level else ratio[active]
-    sums = ranks.sum(torch.tensor([diff.sum(), len(diff), ratio.sum(), len(ratio)], dtype=torch.float64))
-    empty = torch.tensor(-math.inf)  # what a rank without tokens contributes to a max
-    highs = [x.max() if len(x) else empty for x in (diff, ratio, -ratio)]
-    highs = ranks.max(torch.stack(highs).double()).tolist()
+    valid = active & ~diff.isnan()
+    counted = torch.ones_like(ratio, dtype=torch.bool) if sequence_level else active
+
+    def total(x, keep):
+        return x.where(keep, 0.0).sum().double()
+
+    def largest(x, keep):  # -inf where nothing is kept (a rank without rows)
+        return torch.cat([x.where(keep, -math.inf).flatten(), x.new_full((1,), -math.inf)]).max().double()
+
+    sums = ranks.sum(
+        torch.stack([total(diff, valid), valid.sum().double(), total(ratio, counted), counted.sum().double()])
+    )
+    highs = ranks.max(torch.stack([largest(diff, valid), largest(ratio, counted), largest(-ratio, counted)]))
+    any_diff, any_ratio = sums[1] > 0, sums[3] > 0
     return {
-        "sampling/sampling_logp_difference/mean": (sums[0] / sums[1].clamp(min=1)).item(),
-        "sampling/sampling_logp_difference/max": highs[0] if sums[1] else 0.0,
-        "sampling/importance_sampling_ratio/min": -highs[2] if sums[3] else 0.0,
-        "sampling/importance_sampling_ratio/mean": (sums[2] / sums[3].clamp(min=1)).item(),
-        "sampling/importance_sampling_ratio/max": highs[1] if sums[3] else 0.0,
+        "sampling/sampling_logp_difference/mean": sums[0] / sums[1].clamp(min=1),
+        "sampling/sampling_logp_difference/max": torch.where(any_diff, highs[0], 0.0),
+        "sampling/importance_sampling_ratio/min": torch.where(any_ratio, -highs[2], 0.0),
+        "sampling/importance_sampling_ratio/mean": sums[2] / sums[3].clamp(min=1),
+        "sampling/importance_sampling_ratio/max": torch.where(any_ratio, highs[1], 0.0),
     }
 
 
