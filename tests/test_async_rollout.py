@@ -24,7 +24,8 @@ from grpo_fast.spec import SAMPLING_CORRECTIONS, sampling_correction
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer.async_rollout import WorkerError
 from grpo_fast.trainer.distributed import Ranks
-from grpo_fast.trainer.rollout import sampling_metrics
+from grpo_fast.trainer.rollout import reference_context, sampling_metrics
+from grpo_fast.trainer.run_log import read_metrics
 
 SMALL = dict(batch_size=16, group_size=4, max_new_tokens=3, progress=False)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,6 +186,32 @@ def test_hf_engine_runs_asynchronously_on_a_named_device(tmp_path):
     assert abs(metrics["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
 
 
+def test_the_worker_computes_reference_log_probs_while_it_would_wait(tmp_path):
+    """With beta != 0 the worker computes the reference log-probs of its batch's first
+    micro-batches for as long as the trainer has not asked for that batch: none of the first
+    (the trainer waits for it), all of the second while the trainer's step is slow. Either way
+    they are the values the trainer computes itself (the same packed micro-batches)."""
+    trainer = GRPOTrainer(small_config(tmp_path, max_staleness=1, beta=0.04, micro_batch_size=4))
+    publish = trainer.async_rollouts.publish
+
+    def slow_publish():
+        time.sleep(2.0)  # a trainer step longer than the worker's batch
+        publish()
+
+    trainer.async_rollouts.publish = slow_publish
+    shares = []
+    try:
+        for _ in range(2):
+            shares.append(trainer.train_step()["worker_reference_share"])
+            batch = trainer.last_rollout
+            with reference_context(trainer.policy, trainer.reference):
+                own = trainer.packed_logprobs(trainer.reference_module, batch)
+            assert len(trainer.micro_batches(batch)) == 4 and torch.equal(batch.ref_logprobs, own)
+    finally:
+        trainer.close()
+    assert shares == [0.0, 1.0]
+
+
 @pytest.mark.slow
 def test_checkpoint_resumes_after_the_trained_steps(tmp_path):
     """Batches in flight when a checkpoint is written are not in it: a resumed run samples
@@ -312,3 +339,28 @@ def test_asynchronous_demo_learns(tmp_path):
     first = sum(m["reward_mean"] for m in history[:5]) / 5
     last = sum(m["reward_mean"] for m in history[-5:]) / 5
     assert last > first + 0.1, (first, last)
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_each_with_a_worker_train_as_one_process(tmp_path):
+    """Under torchrun (2 processes, gloo) each rank's worker samples that rank's share of the
+    prompts: the samples are a function of (seed, key, sample index) and the weights, and the
+    staleness is the same, so the rows equal one process's with K = 1 to 1e-4 (the world sizes'
+    summed gradients round apart; see test_distributed); the job ends with its workers."""
+    from test_distributed import assert_rows_close, run, torchrun_command
+
+    args = ["--max-staleness", "1", "--steps", "6", "--save-every", "0", "--no-progress"]
+    out = str(tmp_path / "two")
+    proc = run(torchrun_command("-m", "grpo_fast", "train", "--output-dir", out, *args), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    rows = read_metrics(out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # one thread for the trainer, one for its worker, as each rank
+    try:
+        alone = GRPOTrainer(
+            GRPOConfig(max_staleness=1, steps=6, save_every=0, progress=False, output_dir=str(tmp_path / "one"))
+        ).train()
+    finally:
+        torch.set_num_threads(threads)
+    assert [m["staleness"] for m in rows] == [m["staleness"] for m in alone] == [0, 1, 1, 1, 1, 1]
+    assert_rows_close(rows, alone, rel=1e-4)

@@ -184,3 +184,25 @@ def test_torchrun_two_processes_each_with_an_engine(tmp_path, parallel):
     assert [m["step"] for m in history] == [1, 2, 3]
     assert all(m["sampling/sampling_logp_difference/max"] < 1e-4 for m in history)
     assert all(m["sync_time_s"] > 0 for m in history[1:])
+
+
+@pytest.mark.slow
+def test_the_rollout_worker_runs_the_engine_with_the_weights_of_each_batch(tmp_path):
+    """``--generator vllm --max-staleness 1``: the worker process holds the engine; every batch
+    after the first is one optimizer step old, and its engine log-probs are the policy's at the
+    version the batch names to 1e-4 (the worker's engine reloads each published version)."""
+    config = GRPOConfig(generator="vllm", max_staleness=1, steps=3, progress=False, output_dir=str(tmp_path))
+    trainer = GRPOTrainer(config)
+    staleness, versions = [], {}
+    try:
+        for _ in range(3):
+            versions[trainer.step] = copy.deepcopy(trainer.policy)  # num_iterations 1: version = step
+            staleness.append(trainer.train_step()["staleness"])
+            batch = trainer.last_rollout
+            C = batch.completion_mask.shape[1]
+            policy = completion_logprobs(versions[batch.policy_version], batch.input_ids, batch.attention_mask, C)
+            gap = ((policy - batch.sampling_logprobs) * batch.completion_mask).abs().max().item()
+            assert gap < 1e-4 and batch.completion_mask.sum() > 0, (trainer.step, batch.policy_version, gap)
+    finally:
+        trainer.close()
+    assert staleness == [0, 1, 1]

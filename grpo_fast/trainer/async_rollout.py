@@ -61,8 +61,8 @@ import transformers
 
 from grpo_fast.trainer.generators import make_generator
 from grpo_fast.trainer.packed_policy import PackedPolicy
-from grpo_fast.trainer.packing import pack
-from grpo_fast.trainer.rollout import Rollout, rollout
+from grpo_fast.trainer.packing import pack_micro_batches
+from grpo_fast.trainer.rollout import Rollout, reference_context, rollout
 
 POLL_S = 0.05  # how often a waiting side checks that the other is still alive
 
@@ -73,6 +73,8 @@ class WorkerSetup:
 
     config: object  # the run's GRPOConfig
     model: torch.nn.Module  # a CPU copy of the policy, moved to ``device`` in the worker
+    reference: torch.nn.Module | None  # a CPU copy of the frozen reference; None: beta = 0, or below
+    reference_is_policy: bool  # a peft policy: its reference is itself with the adapters off
     tokenizer: object
     reward_funcs: list
     device: str
@@ -124,10 +126,15 @@ class AsyncRollouts:
         threads = max(1, self.saved_threads // 2)
         if device.type == "cpu" and trainer.device.type == "cpu":
             torch.set_num_threads(max(1, self.saved_threads - threads))
-        model = copy.deepcopy(trainer.policy).to("cpu").requires_grad_(False)
+        # The trainable tensors stay marked so: an engine that follows the policy (vllm) watches
+        # their version counters to know when to reload. The worker never computes a gradient.
+        model = copy.deepcopy(trainer.policy).to("cpu")
+        separate = trainer.reference is not None and trainer.reference is not trainer.policy
         setup = WorkerSetup(
             config=config,
             model=model,
+            reference=copy.deepcopy(trainer.reference).to("cpu") if separate else None,
+            reference_is_policy=trainer.reference is trainer.policy,
             tokenizer=trainer.tokenizer,
             reward_funcs=trainer.reward_funcs,
             device=str(device),
@@ -259,6 +266,7 @@ class Worker:
 
     def __init__(self, setup: WorkerSetup):
         self.setup, config = setup, setup.config
+        torch.set_grad_enabled(False)  # this process only samples and scores
         self.device = torch.device(setup.device)
         if self.device.type == "cpu":
             torch.set_num_threads(setup.threads)
@@ -270,6 +278,12 @@ class Worker:
         self.loaded = -1
         self.generator = make_generator(config.generator, self.model, setup.tokenizer, config, bf16=setup.bf16)
         self.packed = PackedPolicy(self.model, config.loss_config(), bf16=setup.bf16)
+        self.reference, self.reference_packed = None, None
+        if setup.reference_is_policy:
+            self.reference, self.reference_packed = self.model, self.packed
+        elif setup.reference is not None:
+            self.reference = setup.reference.to(self.device)
+            self.reference_packed = PackedPolicy(self.reference, config.loss_config(), bf16=setup.bf16)
 
     def run(self) -> None:
         setup, config = self.setup, self.setup.config
@@ -287,8 +301,15 @@ class Worker:
             )
             if batch.sampling_logprobs is None:
                 batch = dataclasses.replace(batch, sampling_logprobs=self._logprobs(batch))
+            rollout_s = time.perf_counter() - start
+            batch = dataclasses.replace(batch, ref_logprobs=self._reference_logprobs(batch, index))
+            done = 0 if batch.ref_logprobs is None else batch.ref_logprobs.shape[0]
             batch = dataclasses.replace(to_device(batch, torch.device("cpu")), policy_version=self.loaded)
-            timings = dict(worker_weight_wait_s=weight_wait, worker_rollout_s=time.perf_counter() - start)
+            timings = dict(
+                worker_weight_wait_s=weight_wait,
+                worker_rollout_s=rollout_s,
+                worker_reference_share=done / max(batch.input_ids.shape[0], 1),
+            )
             # Plain pickle: the tensors' bytes travel in the message (a few KB a row), not as
             # shared-memory handles that a worker dying before they are read would take along.
             setup.results.put(("batch", pickle.dumps((index, batch, timings))))
@@ -308,16 +329,44 @@ class Worker:
         """Copies the newest slot into the model, when it holds a version not loaded yet."""
         setup = self.setup
         slot = setup.version.value % 2
-        with setup.locks[slot], torch.no_grad():
+        with setup.locks[slot]:
             version = setup.slot_versions[slot]
             if version != self.loaded:
                 for name, tensor in setup.slots[slot].items():
                     self.params[name].copy_(tensor)
                 self.loaded = version
 
-    @torch.no_grad()
+    def _reference_logprobs(self, batch: Rollout, index: int) -> torch.Tensor | None:
+        """The reference log-probs [k, C] of the batch's first k rows, or None: the trainer's
+        micro-batches, one after another, for as long as the worker would otherwise wait,
+        i.e. until the trainer asks for this batch (its step starts at version index * mu) or
+        the next batch may be sampled; the trainer computes the other rows. So the pass
+        moves to whichever side has the time, and a row's values do not depend on which
+        (the same packing, the same micro-batch)."""
+        if self.reference_packed is None:
+            return None
+        setup, config = self.setup, self.setup.config
+        ready = min(index * config.num_iterations, (index + 1) * config.num_iterations - config.max_staleness)
+        out = []
+        with reference_context(self.model, self.reference):
+            for packed in self._micro_batches(batch):
+                if setup.version.value >= ready:
+                    break
+                out.append(self.reference_packed(packed))
+        return torch.cat(out) if out else None
+
+    def _micro_batches(self, batch: Rollout) -> list:
+        """The batch packed as the trainer packs it."""
+        config = self.setup.config
+        return pack_micro_batches(
+            batch.input_ids,
+            batch.attention_mask,
+            batch.completion_mask.shape[1],
+            config.max_tokens_per_micro_batch,
+            config.micro_batch_size,
+        )
+
     def _logprobs(self, batch: Rollout) -> torch.Tensor:
         """The sampled tokens' log-probs [N, C] under the weights that sampled them (for an
-        engine that does not return them): one packed forward."""
-        C, N = batch.completion_mask.shape[1], batch.input_ids.shape[0]
-        return self.packed(pack(batch.input_ids, batch.attention_mask, C, slice(0, N)))
+        engine that does not return them): one packed forward per micro-batch."""
+        return torch.cat([self.packed(packed) for packed in self._micro_batches(batch)])

@@ -59,10 +59,8 @@ from grpo_fast.trainer.packed_policy import PackedPolicy, filler
 from grpo_fast.trainer.packing import (
     Packed,
     flash_attention_available,
-    micro_batches,
-    pack,
+    pack_micro_batches,
     packed_attention,
-    row_lengths,
     to_grid,
 )
 from grpo_fast.trainer.rollout import (
@@ -318,8 +316,11 @@ class GRPOTrainer:
         batch), is left to the step's first training pass (:meth:`corrects`)."""
         batch = self.pack_batch(self.async_rollouts.next() if self.async_rollouts else self.sample_groups())
         if self.reference is not None and self.ranks.sum(batch.input_ids.shape[0]):
+            done = batch.ref_logprobs  # a rollout worker's batch: its first micro-batches' rows, or None
+            first = 0 if done is None else done.shape[0]
             with reference_context(self.policy, self.reference):
-                batch = dataclasses.replace(batch, ref_logprobs=self.packed_logprobs(self.reference_module, batch))
+                rest = self.packed_logprobs(self.reference_module, batch, first)
+            batch = dataclasses.replace(batch, ref_logprobs=rest if done is None else torch.cat([done, rest]))
         return batch
 
     def corrects(self, batch: Rollout) -> bool:
@@ -365,17 +366,19 @@ class GRPOTrainer:
         return dataclasses.replace(batch, **changes)
 
     @torch.no_grad()
-    def packed_logprobs(self, module: PackedPolicy, batch: Rollout) -> torch.Tensor:
-        """The completion tokens' log-probs [N, C] under ``module``, from the batch's packed
-        micro-batches (run in lockstep with the other ranks: under FSDP2 a forward is a collective)."""
+    def packed_logprobs(self, module: PackedPolicy, batch: Rollout, first_row: int = 0) -> torch.Tensor:
+        """The completion tokens' log-probs [N - first_row, C] under ``module``, from the
+        batch's packed micro-batches from row ``first_row`` on (a micro-batch's first row; run
+        in lockstep with the other ranks: under FSDP2 a forward is a collective)."""
         out = []
-        for packed, _ in self.ranks.lockstep(self.micro_batches(batch)):
+        micro = [packed for packed in self.micro_batches(batch) if packed.rows.start >= first_row]
+        for packed, _ in self.ranks.lockstep(micro):
             logp = module(self.filler if packed is None else packed)
             if packed is not None:
                 out.append(logp)
         if distributed.is_sharded(module):
             module.reshard()  # no backward follows to reshard the root: free its whole weights now
-        return torch.cat(out) if out else torch.zeros_like(batch.completion_mask)
+        return torch.cat(out) if out else torch.zeros_like(batch.completion_mask[first_row:])
 
     def sample_groups(self) -> Rollout:
         """This rank's share of prompts_per_step groups of G samples with their rewards (the
@@ -421,9 +424,7 @@ class GRPOTrainer:
             (*limits, ids, mask), packed = batch.packed
             if limits == list(key[:2]) and ids is batch.input_ids and mask is batch.attention_mask:
                 return packed
-        lengths = row_lengths(batch.attention_mask, C)
-        slices = micro_batches([total for total, _ in lengths], *key[:2])
-        return [pack(batch.input_ids, batch.attention_mask, C, rows, lengths[rows]) for rows in slices]
+        return pack_micro_batches(batch.input_ids, batch.attention_mask, C, *key[:2])
 
     def pack_batch(self, batch: Rollout) -> Rollout:
         """``batch`` with its micro-batches packed once, for every pass of the step."""

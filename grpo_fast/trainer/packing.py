@@ -119,6 +119,18 @@ def micro_batches(lengths: list, max_tokens: int | None, max_rows: int | None) -
     return slices
 
 
+def pack_micro_batches(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int, max_tokens, max_rows
+) -> list:
+    """A padded rollout's rows (input_ids and attention_mask [N, P + C]) packed into the
+    :func:`micro_batches` of at most ``max_tokens`` tokens and ``max_rows`` rows, one read of
+    the rows' lengths to the host: a :class:`Packed` each. A function of the tokens and the
+    limits alone, so that a rollout worker packs a batch as the trainer will."""
+    lengths = row_lengths(attention_mask, num_completion_tokens)
+    slices = micro_batches([total for total, _ in lengths], max_tokens, max_rows)
+    return [pack(input_ids, attention_mask, num_completion_tokens, rows, lengths[rows]) for rows in slices]
+
+
 def to_grid(values: torch.Tensor, packed: Packed) -> torch.Tensor:
     """Per-completion-token values [1, Nc] or [1, Nc, H] onto the rows' [n, C] (or [n, C, H])
     grid, 0 where a row has no token; differentiable."""

@@ -26,7 +26,17 @@ METRIC_KEYS = (
 # Rows of each completions sample (completions.jsonl), spread over the batch's groups.
 COMPLETION_ROWS = 16
 # Keys that depend on the machine's speed and load, not on the run's numbers.
-TIMING_KEYS = ("tokens_per_s", "step_time_s", "peak_mem_bytes", "sync_time_s")
+TIMING_KEYS = (
+    "tokens_per_s",
+    "step_time_s",
+    "peak_mem_bytes",
+    "sync_time_s",
+    # asynchronous rollouts' waits and copies
+    "rollout_wait_s",
+    "worker_rollout_s",
+    "worker_weight_wait_s",
+    "weight_copy_s",
+)
 
 
 def due(step: int, every: int, last: int) -> bool:
