@@ -6,8 +6,9 @@ throughput  the realistic workload of bench_trainer.py (tiny Llama, vocabulary 3
             one thread each. Rounds alternate the three so that other processes' load hits
             all alike; the first --warmup steps of each run are dropped (the worker's
             start). Per-phase times feed the cost model (benchmarks/NOTES.md):
-                synchronous step  = rollout R + training T
-                asynchronous step = max(R_worker, T + proximal pass + weight copy)
+                synchronous step  = sampling and scoring S + reference pass F + training T
+                asynchronous step = max(S, T, (S + F + T) / 2) on two free cores (the
+                                    reference pass goes to whichever side has the time)
 demo        the built-in demo (grpo-fast train, its default 300 steps) synchronous and
             K = 1 for a few seeds: reward rise (last tenth's mean reward minus the first
             tenth's) and the reward curves by step and by wall-clock second (PNG).
@@ -44,25 +45,31 @@ SETUPS = {  # name -> (torch threads of the process, max_staleness)
 def run_throughput(work, name: str, steps: int, seed: int) -> dict:
     """One fresh run of ``steps`` steps: the interval between consecutive steps' ends, and
     the phases: the rollout (make_rollout: in the synchronous loop sampling, rewards and
-    reference log-probs; asynchronously the wait for the worker, the proximal pass and the
-    reference log-probs) and the rest of the step."""
+    reference log-probs; asynchronously the wait for the worker and the reference log-probs of
+    the rows the worker left), the trainer's reference pass alone, and the step's metrics."""
     threads, staleness = SETUPS[name]
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     trainer = work.trainer(steps=steps, seed=seed, max_staleness=staleness)
-    rollout_s, make_rollout = [], trainer.make_rollout
+    phases = {"rollout_s": [], "reference_s": []}
 
-    def timed():
-        start = time.perf_counter()
-        batch = make_rollout()
-        rollout_s.append(time.perf_counter() - start)
-        return batch
+    def timed(method, key):
+        def run(*args):
+            start = time.perf_counter()
+            out = method(*args)
+            phases[key][-1] += time.perf_counter() - start
+            return out
 
-    trainer.make_rollout = timed
+        return run
+
+    trainer.make_rollout = timed(trainer.make_rollout, "rollout_s")
+    trainer.packed_logprobs = timed(trainer.packed_logprobs, "reference_s")  # the reference pass only
     times, history = [], []
     try:
         last = time.perf_counter()
         for _ in range(steps):
+            for values in phases.values():
+                values.append(0.0)
             history.append(trainer.train_step())
             now = time.perf_counter()
             times.append(now - last)
@@ -70,9 +77,16 @@ def run_throughput(work, name: str, steps: int, seed: int) -> dict:
     finally:
         trainer.close()
         torch.set_num_threads(saved)
-    keys = ("rollout_wait_s", "worker_rollout_s", "worker_weight_wait_s", "weight_copy_s", "staleness")
-    phases = {key: [m[key] for m in history] for key in keys if key in history[0]}
-    return dict(times=times, rollout_s=rollout_s, **phases)
+    keys = (
+        "rollout_wait_s",
+        "worker_rollout_s",
+        "worker_weight_wait_s",
+        "worker_reference_share",
+        "weight_copy_s",
+        "staleness",
+    )
+    phases.update({key: [m[key] for m in history] for key in keys if key in history[0]})
+    return dict(times=times, **phases)
 
 
 def throughput(args) -> dict:
@@ -93,26 +107,27 @@ def throughput(args) -> dict:
         results[name] = stats
     a, s1, s2 = (results[n]["steps_per_s"] for n in ("async_k1", "sync_1thread", "sync_2threads"))
     results["async_over_sync_1thread"], results["async_over_sync_2threads"] = a / s1, a / s2
-    # The cost model on these two cores: a synchronous step at one thread is R1 + T1; K = 1 is
-    # max(R_worker, T_trainer), both measured on one core each.
+    # The cost model on these two cores, from the one-thread synchronous phases: sampling and
+    # scoring S, the reference pass F, training T. K = 1 on two free cores: max(S, T, (S + F + T) / 2).
     p1, pa = results["sync_1thread"]["phases_median_s"], results["async_k1"]["phases_median_s"]
-    R1 = p1["rollout_s"]
-    T1 = results["sync_1thread"]["median_s"] - R1
-    trainer_busy = results["async_k1"]["median_s"] - pa["rollout_wait_s"]
-    # The trainer's make_rollout minus its wait: the proximal pass and the reference pass, two
-    # no-grad forwards of the same size; half of it is the proximal pass.
-    proximal = (pa["rollout_s"] - pa["rollout_wait_s"]) / 2
-    predicted = max(pa["worker_rollout_s"], trainer_busy)
+    F = p1["reference_s"]
+    S = p1["rollout_s"] - F
+    T = results["sync_1thread"]["median_s"] - p1["rollout_s"]
+    ideal = max(S, T, (S + F + T) / 2)
+    measured = results["async_k1"]["median_s"]
     results["model"] = dict(
-        sync_1thread_rollout_s=R1,
-        sync_1thread_training_s=T1,
+        sync_1thread_sampling_s=S,
+        sync_1thread_reference_s=F,
+        sync_1thread_training_s=T,
+        predicted_async_step_s=ideal,
+        predicted_over_sync_1thread=(S + F + T) / ideal,
+        measured_async_step_s=measured,
+        # > 1: what the two processes lose to each other (shared caches, memory bandwidth)
+        contention=measured / ideal,
         async_worker_rollout_s=pa["worker_rollout_s"],
-        async_trainer_busy_s=trainer_busy,
-        predicted_async_step_s=predicted,
-        measured_async_step_s=results["async_k1"]["median_s"],
-        predicted_over_sync_1thread=(R1 + T1) / predicted,
-        proximal_pass_s=proximal,
-        proximal_share=proximal / (trainer_busy - proximal),
+        async_worker_reference_share=pa["worker_reference_share"],
+        async_trainer_reference_s=pa["reference_s"],
+        async_trainer_busy_s=measured - pa["rollout_wait_s"],
     )
     return dict(
         setup=dict(steps=args.steps, warmup=args.warmup, rounds=args.rounds, model=work.description), results=results
@@ -188,32 +203,30 @@ def straggler_factor(sigma: float, cap: float, rows: int, trials: int = 2000, se
     return (lengths.max(1).values.mean() / lengths.mean()).item()
 
 
-def predicted_gain(a: float, kappa: float, p: float) -> tuple:
+def predicted_gain(a: float, kappa: float) -> tuple:
     """The GPU node's model, in units of the training time T of a step on all n GPUs:
 
         colocated synchronous:  kappa * a + 1      (generation waits on its slowest sample)
         two pools, K >= 1:      generation a / x on a share x of the GPUs (kept full),
-                                training (1 + p) / (1 - x) on the rest (p: the proximal pass)
-        best split x = a / (a + 1 + p)  ->  step = a + 1 + p
+                                training 1 / (1 - x) on the rest
+        best split x = a / (a + 1)  ->  step = a + 1
 
-    ``a``: generation at full occupancy over training, on the same GPUs. Returns (gain, x)."""
-    return (kappa * a + 1) / (a + 1 + p), a / (a + 1 + p)
+    ``a``: generation at full occupancy over training, on the same GPUs. The trainer runs no
+    extra pass for the stale batches (the first training pass is the proximal one). Returns
+    (gain, x)."""
+    return (kappa * a + 1) / (a + 1), a / (a + 1)
 
 
 def model(args) -> dict:
-    """The GPU prediction from the measured proximal-pass share (the throughput JSON) and
-    log-normal lengths, for a few generation/training ratios a."""
-    with open(os.path.join(args.output_dir, "async_cpu_realistic.json")) as f:
-        measured = json.load(f)["results"]["model"]
-    p = measured["proximal_share"]
+    """The GPU prediction for log-normal lengths and a few generation/training ratios a."""
     rows = []
     for sigma in (0.6, 1.0):
         kappa = straggler_factor(sigma, cap=8.0, rows=64)
         for a in (0.5, 1.0, 2.0):
-            gain, x = predicted_gain(a, kappa, p)
-            rows.append(dict(sigma=sigma, kappa=kappa, a=a, p=p, generation_share=x, predicted_gain=gain))
-            print(f"sigma {sigma} kappa {kappa:.2f} a {a} p {p:.2f}: gain {gain:.2f}x, generation GPUs {x:.0%}")
-    return dict(measured=measured, predictions=rows)
+            gain, x = predicted_gain(a, kappa)
+            rows.append(dict(sigma=sigma, kappa=kappa, a=a, generation_share=x, predicted_gain=gain))
+            print(f"sigma {sigma} kappa {kappa:.2f} a {a}: gain {gain:.2f}x, generation GPUs {x:.0%}")
+    return dict(predictions=rows)
 
 
 def main():
