@@ -49,14 +49,25 @@ EVAL_FLAGS = {
 }
 
 
+NONE = "None"  # what an Optional field's flag takes for None (a flag left out is None to argparse)
+
+
 def _flag_type(field: dataclasses.Field):
-    """(argparse type, nargs) for a config field: Optional[X] -> X, list -> nargs '+'."""
+    """(argparse type, nargs) for a config field: Optional[X] -> X or the word None, list ->
+    nargs '+'."""
     annotation = field.type
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     base = args[0] if union and args else annotation
     if base is list or typing.get_origin(base) is list:
         return str, "+"
+    if union and type(None) in typing.get_args(annotation) and base is not bool:
+
+        def optional(text: str, base=base):
+            return NONE if text == NONE else base(text)
+
+        optional.__name__ = base.__name__  # argparse names the type in its errors
+        return optional, None
     return base, None
 
 
@@ -130,7 +141,7 @@ def _latest_run(root: str = "runs"):
 def make_config(args: argparse.Namespace) -> GRPOConfig:
     """Defaults, then the YAML file (or the resumed run's saved config), then the flags."""
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig)}
-    overrides = {k: v for k, v in overrides.items() if v is not None}
+    overrides = {k: None if v == NONE else v for k, v in overrides.items() if v is not None}
     config_file = args.config
     if args.resume:
         overrides.setdefault("output_dir", _latest_run())
@@ -176,7 +187,8 @@ def eval_config(args: argparse.Namespace) -> GRPOConfig:
 
         with open(saved) as f:
             values = yaml.safe_load(f) or {}
-    values.update({name: getattr(args, name) for name in EVAL_FLAGS if getattr(args, name) is not None})
+    flags = {name: getattr(args, name) for name in EVAL_FLAGS}
+    values.update({name: None if v == NONE else v for name, v in flags.items() if v is not None})
     if args.reward_weights is not None:
         values["reward_weights"] = [_number_or_str(w) for w in args.reward_weights]
     values.update(model=args.model, output_dir=None, report_to=None, eval_every=0)

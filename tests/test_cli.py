@@ -7,7 +7,7 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from grpo_fast.cli import main
+from grpo_fast.cli import build_parser, main, make_config
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer.run_log import METRIC_KEYS, read_metrics, tenth_means
@@ -113,3 +113,17 @@ def test_the_cli_imports_benchmarks_only_for_the_bench_command():
     code = "import sys, grpo_fast.cli; print(any(m.startswith('grpo_fast.bench') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_an_optional_flag_takes_the_word_none(capsys):
+    """``--sampling-correction None`` turns the correction off (the field's None, as the README
+    says); other values still parse with the field's type, and a bad one names the flag."""
+    parser = build_parser()
+    argv = ["train", "--sampling-correction", "None", "--max-prompt-length", "None", "--sampling-correction-max", "2.5"]
+    config = make_config(parser.parse_args(argv))
+    assert config.sampling_correction is None and config.correction_mode() is None
+    assert config.max_prompt_length is None and config.sampling_correction_max == 2.5
+    assert make_config(parser.parse_args(["train", "--max-prompt-length", "12"])).max_prompt_length == 12
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--max-prompt-length", "twelve"])
+    assert "argument --max-prompt-length: invalid int value: 'twelve'" in capsys.readouterr().err

@@ -220,12 +220,15 @@ def test_sampling_correction_is_trls(mode, bounds):
 
 
 def test_sampling_correction_defaults_are_trls():
-    """TRL 1.16's GRPOConfig defaults: correction on, sequence_mask, clip_max 3, no clip_min."""
+    """TRL 1.16's GRPOConfig defaults: correction on, sequence_mask, clip_max 3, no clip_min;
+    for stale batches (max_staleness >= 1) the token-level truncated ratio instead."""
     trl = pytest.importorskip("trl")
     args = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)})
     ours = GRPOConfig()
-    assert args.vllm_importance_sampling_correction and ours.sampling_correction is not None
-    assert ours.sampling_correction == args.vllm_importance_sampling_mode
+    assert args.vllm_importance_sampling_correction and ours.correction_mode() is not None
+    assert ours.correction_mode() == args.vllm_importance_sampling_mode
+    assert GRPOConfig(max_staleness=1).correction_mode() == "token_truncate"
+    assert GRPOConfig(max_staleness=1, sampling_correction="sequence_mask").correction_mode() == "sequence_mask"
     assert ours.sampling_correction_max == args.vllm_importance_sampling_clip_max
     assert ours.sampling_correction_min == args.vllm_importance_sampling_clip_min
     defaults = inspect.signature(spec.sampling_correction).parameters

@@ -54,9 +54,11 @@ class GRPOConfig(LossConfig):
     generator: str = option("sampler", f"generation engine: {', '.join(ENGINES)}")
     compile_generation: bool = option(False, "sampler on CUDA: static KV cache, decode step compiled to a CUDA graph")
     sampling_correction: str | None = option(
-        "sequence_mask",
+        "auto",
         f"samples drawn by other log-probs than the trainer's (the vllm engine, or a max_staleness >= 1 "
-        f"worker's older weights): TRL's correction, one of {', '.join(SAMPLING_CORRECTIONS)}; None = off",
+        f"worker's older weights): TRL's correction, one of {', '.join(SAMPLING_CORRECTIONS)}; auto = "
+        "sequence_mask (TRL's default) for the engine's drift alone, token_truncate for stale batches "
+        "(max_staleness >= 1); None = off",
     )
     sampling_correction_min: float | None = option(None, "sampling correction: lower bound of the ratio; None = 0")
     sampling_correction_max: float | None = option(3.0, "sampling correction: upper bound of the ratio; None = none")
@@ -140,6 +142,15 @@ class GRPOConfig(LossConfig):
         """Whether the forwards on ``device`` (a torch.device) run under bf16 autocast."""
         return self.precision == "bf16" or (self.precision == "auto" and device.type == "cuda")
 
+    def correction_mode(self) -> str | None:
+        """``sampling_correction`` with ``auto`` resolved: TRL's sequence_mask corrects an
+        engine's drift (a sequence's ratio stays near 1), token_truncate corrects stale batches:
+        after an optimizer step a sequence's product of token ratios often leaves the bounds,
+        and masking it drops the whole sequence's signal (measured on the demo: README)."""
+        if self.sampling_correction != "auto":
+            return self.sampling_correction
+        return "token_truncate" if self.max_staleness else "sequence_mask"
+
     def loss_config(self) -> LossConfig:
         """The run's loss options as one frozen, validated :class:`LossConfig` (dr_grpo's
         max_completion_length defaults to max_new_tokens)."""
@@ -219,9 +230,9 @@ class GRPOConfig(LossConfig):
             f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization!r}",
         )
         choice("vllm_sleep_level", (0, 1, 2))
-        if self.sampling_correction is not None:
+        if self.correction_mode() is not None:
             check_sampling_correction(
-                self.sampling_correction, self.sampling_correction_min, self.sampling_correction_max
+                self.correction_mode(), self.sampling_correction_min, self.sampling_correction_max
             )
         if self.vllm_max_model_len is not None:
             require(

@@ -333,7 +333,7 @@ class GRPOTrainer:
         passes (:meth:`after_first_pass`)."""
         return (
             batch.sampling_logprobs is not None
-            and self.config.sampling_correction is not None
+            and self.config.correction_mode() is not None
             and batch.importance_weights is None
         )
 
@@ -344,7 +344,7 @@ class GRPOTrainer:
             proximal,
             behaviour,
             mask,
-            mode=config.sampling_correction,
+            mode=config.correction_mode(),
             clip_min=config.sampling_correction_min,
             clip_max=config.sampling_correction_max,
         )
@@ -358,7 +358,7 @@ class GRPOTrainer:
         if self.corrects(batch):
             mask = batch.completion_mask
             correction = self.sampling_correction(proximal, batch.sampling_logprobs, mask)
-            sequence_level = SAMPLING_CORRECTIONS[self.config.sampling_correction][0] == "sequence"
+            sequence_level = SAMPLING_CORRECTIONS[self.config.correction_mode()][0] == "sequence"
             metrics = sampling_metrics(
                 proximal, batch.sampling_logprobs, mask, correction.ratio, sequence_level, self.ranks
             )
