@@ -5,11 +5,14 @@
                                                  load the newest weights from shared memory
                                                  sample G per prompt, score (rewards, sandbox)
                                                  sampling log-probs: the engine's, or a forward
+                                                 reference log-probs of the first micro-batches,
+                                                 until the trainer asks for b (it would wait)
     receive batch b  <-------------------------  (rollout, its policy version, timings)
-    reference log-probs, advantages; the first
-    training pass (the step's first weights:
-    the proximal policy) applies the sampling
-    correction from its own log-probs; update
+    the other rows' reference log-probs,
+    advantages; the first training pass (the
+    step's first weights: the proximal policy)
+    applies the sampling correction from its
+    own log-probs; update
     after every optimizer step: publish the
     weights (copy, version += 1)
 
