@@ -207,9 +207,11 @@ def test_the_worker_computes_reference_log_probs_while_it_would_wait(tmp_path):
             with reference_context(trainer.policy, trainer.reference):
                 own = trainer.packed_logprobs(trainer.reference_module, batch)
             assert len(trainer.micro_batches(batch)) == 4 and torch.equal(batch.ref_logprobs, own)
+        worker = trainer.async_rollouts.process
     finally:
         trainer.close()
     assert shares == [0.0, 1.0]
+    assert worker.exitcode == 0  # it saw the stop where it waited and left (not terminated)
 
 
 @pytest.mark.slow
@@ -321,7 +323,11 @@ def test_ctrl_c_stops_trainer_and_worker(tmp_path):
         workers = children(trainer.pid)  # the rollout worker (and its multiprocessing helpers)
         assert workers
         os.killpg(trainer.pid, signal.SIGINT)
-        trainer.wait(30)
+        try:
+            trainer.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            pytest.fail(f"still running 30 s after SIGINT; its stderr:\n{trainer.stderr.read()[-3000:]}")
         assert trainer.returncode != 0
         assert wait_until(lambda: all(gone(pid) for pid in workers), 5)
         assert "KeyboardInterrupt" in trainer.stderr.read()

@@ -88,7 +88,8 @@ class WorkerSetup:
     locks: list  # a lock per slot
     slot_versions: object  # shared int64 [2]: the version each slot holds
     version: object  # shared int64: the newest published version
-    requests: object  # queue of (batch index, rows, keys), or None to stop
+    requests: object  # queue of (batch index, rows, keys)
+    stop: object  # an Event: the trainer asks the worker to stop
     results: object  # queue of ("batch", pickled (batch index, Rollout, timings)) or ("error", traceback)
     parent: int  # the trainer's pid
 
@@ -123,7 +124,7 @@ class AsyncRollouts:
         self.locks = [context.Lock(), context.Lock()]
         self.slot_versions = context.Array("q", [version, version], lock=False)
         self.version = context.Value("q", version, lock=False)
-        self.requests, self.results = context.Queue(), context.Queue()
+        self.requests, self.results, self.stop = context.Queue(), context.Queue(), context.Event()
         device = torch.device(config.generation_device or trainer.device)
         self.saved_threads = torch.get_num_threads()
         threads = max(1, self.saved_threads // 2)
@@ -149,6 +150,7 @@ class AsyncRollouts:
             slot_versions=self.slot_versions,
             version=self.version,
             requests=self.requests,
+            stop=self.stop,
             results=self.results,
             parent=os.getpid(),
         )
@@ -160,12 +162,13 @@ class AsyncRollouts:
             self._request(index)
 
     def close(self) -> None:
-        """Stops the worker (asks, then terminates, then kills) and restores the thread count."""
+        """Stops the worker (asks: it leaves within a poll interval wherever it waits; else
+        terminates, then kills) and restores the thread count."""
         if self.process is None:
             return
         process, self.process = self.process, None
         if process.is_alive():
-            self.requests.put(None)
+            self.stop.set()  # seen within a poll interval wherever the worker waits
             process.join(5)
         if process.is_alive():
             process.terminate()
@@ -262,6 +265,12 @@ def serve(setup: WorkerSetup) -> None:
     except BaseException:
         setup.results.put(("error", traceback.format_exc()))
         sys.exit(1)
+    # Stopped: leave without the interpreter's teardown, whose final garbage collection (torch's
+    # and the model's objects) takes seconds that the trainer's join would wait; there is nothing
+    # to write (a batch still in the pipe has no reader now).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class Worker:
@@ -294,7 +303,8 @@ class Worker:
             index, rows, keys = request
             start = time.perf_counter()
             while setup.version.value < index * config.num_iterations - config.max_staleness:
-                self._check_parent()
+                if not self._running():
+                    return
                 time.sleep(POLL_S / 10)
             weight_wait = time.perf_counter() - start
             self._load_newest()
@@ -318,15 +328,20 @@ class Worker:
             setup.results.put(("batch", pickle.dumps((index, batch, timings))))
 
     def _wait_for_request(self):
-        while True:
+        """The next request, or None once the trainer asked to stop."""
+        while self._running():
             try:
-                return self.setup.requests.get(timeout=POLL_S * 10)
+                return self.setup.requests.get(timeout=POLL_S)
             except queue.Empty:
-                self._check_parent()
+                pass
+        return None
 
-    def _check_parent(self) -> None:
+    def _running(self) -> bool:
+        """False once the trainer asked to stop; exits if the trainer is gone (where
+        PR_SET_PDEATHSIG is not available)."""
         if os.getppid() != self.setup.parent:
-            raise SystemExit(0)  # the trainer is gone (where PR_SET_PDEATHSIG is not available)
+            raise SystemExit(0)
+        return not self.setup.stop.is_set()
 
     def _load_newest(self) -> None:
         """Copies the newest slot into the model, when it holds a version not loaded yet."""
@@ -353,7 +368,7 @@ class Worker:
         out = []
         with reference_context(self.model, self.reference):
             for packed in self._micro_batches(batch):
-                if setup.version.value >= ready:
+                if setup.version.value >= ready or setup.stop.is_set():
                     break
                 out.append(self.reference_packed(packed))
         return torch.cat(out) if out else None
