@@ -315,7 +315,12 @@ def children(pid: int) -> list:
 def test_ctrl_c_stops_trainer_and_worker(tmp_path):
     """SIGINT to the terminal's process group (what Ctrl-C sends): the trainer stops and takes
     its worker with it; nothing is left running."""
-    command = [sys.executable, "-m", "grpo_fast", "train", "--max-staleness", "1", "--steps", "100000"]
+    # `python -m grpo_fast` as a terminal's foreground job runs it: with Python's SIGINT handler
+    # (a job started in the background of a non-interactive shell, as a CI step may be,
+    # inherits SIGINT ignored, and Python then installs none).
+    main = "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    main += "runpy.run_module('grpo_fast', run_name='__main__', alter_sys=True)"
+    command = [sys.executable, "-c", main, "train", "--max-staleness", "1", "--steps", "100000"]
     command += ["--no-progress", "--output-dir", str(tmp_path / "run")]
     trainer = subprocess.Popen(command, cwd=ROOT, start_new_session=True, stderr=subprocess.PIPE, text=True)
     try:
