@@ -312,10 +312,11 @@ class Worker:
             batch = rollout(
                 self.generator, rows, keys, setup.reward_funcs, group_size=config.group_size, keep_logprobs=True
             )
+            micro = self._micro_batches(batch)  # as the trainer will pack it
             if batch.sampling_logprobs is None:
-                batch = dataclasses.replace(batch, sampling_logprobs=self._logprobs(batch))
+                batch = dataclasses.replace(batch, sampling_logprobs=self._logprobs(micro))
             rollout_s = time.perf_counter() - start
-            batch = dataclasses.replace(batch, ref_logprobs=self._reference_logprobs(batch, index))
+            batch = dataclasses.replace(batch, ref_logprobs=self._reference_logprobs(micro, index))
             done = 0 if batch.ref_logprobs is None else batch.ref_logprobs.shape[0]
             batch = dataclasses.replace(to_device(batch, torch.device("cpu")), policy_version=self.loaded)
             timings = dict(
@@ -354,11 +355,12 @@ class Worker:
                     self.params[name].copy_(tensor)
                 self.loaded = version
 
-    def _reference_logprobs(self, batch: Rollout, index: int) -> torch.Tensor | None:
-        """The reference log-probs [k, C] of the batch's first k rows, or None: the trainer's
-        micro-batches, one after another, for as long as the worker would otherwise wait,
-        i.e. until the trainer asks for this batch (its step starts at version index * mu) or
-        the next batch may be sampled; the trainer computes the other rows. So the pass
+    def _reference_logprobs(self, micro: list, index: int) -> torch.Tensor | None:
+        """The reference log-probs [k, C] of batch ``index``'s first k rows, or None: its
+        micro-batches ``micro`` (the trainer's packing), one after another, for as long as the
+        worker would otherwise wait, i.e. until the trainer asks for this batch (its step
+        starts at version index * mu) or the next batch may be sampled; the trainer computes
+        the other rows. So the pass
         moves to whichever side has the time, and a row's values do not depend on which
         (the same packing, the same micro-batch)."""
         if self.reference_packed is None:
@@ -367,7 +369,7 @@ class Worker:
         ready = min(index * config.num_iterations, (index + 1) * config.num_iterations - config.max_staleness)
         out = []
         with reference_context(self.model, self.reference):
-            for packed in self._micro_batches(batch):
+            for packed in micro:
                 if setup.version.value >= ready or setup.stop.is_set():
                     break
                 out.append(self.reference_packed(packed))
@@ -384,7 +386,7 @@ class Worker:
             config.micro_batch_size,
         )
 
-    def _logprobs(self, batch: Rollout) -> torch.Tensor:
+    def _logprobs(self, micro: list) -> torch.Tensor:
         """The sampled tokens' log-probs [N, C] under the weights that sampled them (for an
-        engine that does not return them): one packed forward per micro-batch."""
-        return torch.cat([self.packed(packed) for packed in self._micro_batches(batch)])
+        engine that does not return them): one packed forward per micro-batch of ``micro``."""
+        return torch.cat([self.packed(packed) for packed in micro])
