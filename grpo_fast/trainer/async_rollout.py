@@ -143,7 +143,7 @@ class AsyncRollouts:
             reward_funcs=trainer.reward_funcs,
             device=str(device),
             threads=threads,
-            bf16=config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda"),
+            bf16=config.bf16(device),
             rank=trainer.ranks.rank,
             slots=self.slots,
             locks=self.locks,
@@ -195,8 +195,9 @@ class AsyncRollouts:
 
     def next(self) -> Rollout:
         """The next step's batch on the trainer's device, with its ``sampling_logprobs`` (the
-        weights that sampled it) and ``policy_version``; the trainer's ``make_rollout`` then
-        applies the sampling correction, as to any batch with sampling log-probs."""
+        weights that sampled it), ``policy_version`` and the reference log-probs of the rows
+        the worker had time for; the step's first training pass then applies the sampling
+        correction, as to any batch with sampling log-probs."""
         if self.process is None:
             self.start()
         trainer, config = self.trainer, self.trainer.config
