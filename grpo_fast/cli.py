@@ -165,7 +165,7 @@ def train(args: argparse.Namespace) -> int:
         # The demo's matrices are 64 wide: one thread beats two that synchronise every op.
         torch.set_num_threads(1)
     trainer = GRPOTrainer(config)
-    main_rank = trainer.ranks.is_main
+    main_rank = trainer.runtime.ranks.is_main
     if args.resume:
         step = trainer.resume()
         if main_rank:

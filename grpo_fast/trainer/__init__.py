@@ -1,7 +1,8 @@
-"""The lean GRPO trainer: config, rollout (shared with the PPO baseline), loop, checkpoints."""
+"""The lean GRPO trainer: config, rollout sources, the step's stages, the run loop, checkpoints."""
 
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.grpo import GRPOTrainer
-from grpo_fast.trainer.rollout import RewardError, Rollout
+from grpo_fast.trainer.rollout import RewardError, Samples
+from grpo_fast.trainer.step import StepBatch
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "Rollout", "RewardError"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "Samples", "StepBatch", "RewardError"]

@@ -7,14 +7,14 @@
                                                  sampling log-probs: the engine's, or a forward
                                                  reference log-probs of the first micro-batches,
                                                  until the trainer asks for b (it would wait)
-    receive batch b  <-------------------------  (rollout, its policy version, timings)
+    receive batch b  <-------------------------  (samples, their policy version, timings)
     the other rows' reference log-probs,
     advantages; the first training pass (the
     step's first weights: the proximal policy)
     applies the sampling correction from its
     own log-probs; update
     after every optimizer step: publish the
-    weights (copy, version += 1)
+    weights (copy, version += 1)                 (an engine with its own copy, vllm, is told)
 
 Versions count optimizer steps (mu = num_iterations per training step): step s starts at
 version s * mu, so a batch sampled at version >= s * mu - K is at most K optimizer steps old.
@@ -27,15 +27,16 @@ waits only in the rare case that the worker is still copying from that slot (one
 worker reads the newest slot and the version stored with it.
 
 The correction: a worker's batch always carries its ``sampling_logprobs``, so the trainer
-corrects it as it corrects the vllm engine's batches (``GRPOTrainer.corrects``): the step's
-first training pass computes the sampled tokens' log-probs under the weights the step starts
-with (the proximal policy: the clip's old log-probs) and weighs each token's (or sequence's)
-policy term by the bounded ratio proximal / sampling, the loss spec's
+corrects it as it corrects the vllm engine's batches (``step.py``): the step's first training
+pass computes the sampled tokens' log-probs under the weights the step starts with (the
+proximal policy: the clip's old log-probs) and weighs each token's (or sequence's) policy term
+by the bounded ratio proximal / sampling, the loss spec's
 :func:`~grpo_fast.spec.sampling_correction`, with no pass of its own.
 
-Data and checkpoints: the trainer alone walks the data order; a request carries the rows. Its
-``data_position`` is the position after the last batch it trained on, so a checkpoint
-resumes there and the batches that were in flight are sampled again.
+Data and checkpoints: this source walks the data order ahead of the trainer from the position
+the trainer gave it first; a request carries the rows. Each batch's ``data_end`` is the
+position after its rows, which the trainer keeps as its own position once it trained on it,
+so a checkpoint resumes there and the batches that were in flight are sampled again.
 
 Failures: a worker that raises sends its traceback, and the trainer raises it; a worker that
 dies without one (killed) is noticed within a poll interval. The worker dies with the
@@ -65,9 +66,43 @@ import transformers
 from grpo_fast.trainer.generators import make_generator
 from grpo_fast.trainer.packed_policy import PackedPolicy
 from grpo_fast.trainer.packing import pack_micro_batches
-from grpo_fast.trainer.rollout import Rollout, reference_context, rollout
+from grpo_fast.trainer.rollout import Samples, reference_context, rollout
+from grpo_fast.trainer.runtime import Runtime
+from grpo_fast.trainer.sources import RolloutSource
 
 POLL_S = 0.05  # how often a waiting side checks that the other is still alive
+
+
+class WeightSlots:
+    """Two slots of shared-memory CPU tensors, one per trainable parameter, each with a lock,
+    and the version each holds; the newest published version. The trainer writes the slot the
+    newest version is not in; the worker reads the newest."""
+
+    def __init__(self, params: list, version: int, context):
+        self.slots = [{name: p.detach().to("cpu", copy=True).share_memory_() for name, p in params} for _ in range(2)]
+        self.locks = [context.Lock(), context.Lock()]
+        self.versions = context.Array("q", [version, version], lock=False)
+        self.newest = context.Value("q", version, lock=False)
+
+    def write(self, params: list, version: int) -> None:
+        """Copies ``params`` ``[(name, tensor)]`` into the free slot and announces ``version``."""
+        slot = version % 2
+        with self.locks[slot], torch.no_grad():
+            for name, p in params:
+                self.slots[slot][name].copy_(p.detach())
+            self.versions[slot] = version
+        self.newest.value = version
+
+    def read(self, params: dict, loaded: int) -> int:
+        """Copies the newest slot into ``params`` ``{name: tensor}`` unless it holds version
+        ``loaded``; returns the version ``params`` hold now."""
+        slot = self.newest.value % 2
+        with self.locks[slot]:
+            version = self.versions[slot]
+            if version != loaded:
+                for name, tensor in self.slots[slot].items():
+                    params[name].copy_(tensor)
+        return version
 
 
 @dataclasses.dataclass
@@ -82,15 +117,11 @@ class WorkerSetup:
     reward_funcs: list
     device: str
     threads: int  # torch threads on CPU
-    bf16: bool
     rank: int
-    slots: list  # two {name: shared CPU tensor} of the trainable parameters
-    locks: list  # a lock per slot
-    slot_versions: object  # shared int64 [2]: the version each slot holds
-    version: object  # shared int64: the newest published version
+    weights: WeightSlots
     requests: object  # queue of (batch index, rows, keys)
     stop: object  # an Event: the trainer asks the worker to stop
-    results: object  # queue of ("batch", pickled (batch index, Rollout, timings)) or ("error", traceback)
+    results: object  # queue of ("batch", pickled (batch index, Samples, timings)) or ("error", traceback)
     parent: int  # the trainer's pid
 
 
@@ -98,57 +129,51 @@ class WorkerError(RuntimeError):
     """The rollout worker failed or died; the message holds its traceback or exit code."""
 
 
-class AsyncRollouts:
-    """The trainer's side: starts the worker on the first batch, sends requests, receives
-    batches with their sampling log-probs, publishes weights, stops the worker.
+class AsyncRollouts(RolloutSource):
+    """The trainer's side: starts the worker on the first batch, sends requests ahead of the
+    trainer, receives batches with their sampling log-probs, publishes weights, stops the worker.
 
     Args:
-        trainer: the :class:`~grpo_fast.trainer.GRPOTrainer` (its policy, data order,
-            packed log-prob pass and config).
+        config: the run's config.
+        runtime: the trainer's runtime (its device receives the batches).
+        policy, reference: the trainer's policy and reference model (None: beta = 0), copied
+            to the worker when it starts.
+        tokenizer, reward_funcs: the run's.
+        data: the run's :class:`~grpo_fast.trainer.data.DataOrder`.
     """
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, config, runtime: Runtime, policy, reference, tokenizer, reward_funcs: list, data):
+        self.config, self.runtime, self.policy, self.reference = config, runtime, policy, reference
+        self.tokenizer, self.reward_funcs, self.data = tokenizer, reward_funcs, data
         self.process = None
-        self.metrics: dict = {}
+        self._metrics: dict = {}
 
     # ---------------------------------------------------------------- life cycle
-    def start(self) -> None:
-        trainer, config = self.trainer, self.trainer.config
+    def start(self, position: int, version: int) -> None:
+        """Starts the worker with the policy at ``version`` and requests the batches from data
+        position ``position`` on."""
+        config, runtime = self.config, self.runtime
         context = torch.multiprocessing.get_context("spawn")
-        version = trainer.step * config.num_iterations
-        self.params = [(name, p) for name, p in trainer.policy.named_parameters() if p.requires_grad]
-        self.slots = [
-            {name: p.detach().to("cpu", copy=True).share_memory_() for name, p in self.params} for _ in range(2)
-        ]
-        self.locks = [context.Lock(), context.Lock()]
-        self.slot_versions = context.Array("q", [version, version], lock=False)
-        self.version = context.Value("q", version, lock=False)
+        self.params = [(name, p) for name, p in self.policy.named_parameters() if p.requires_grad]
+        self.weights = WeightSlots(self.params, version, context)
         self.requests, self.results, self.stop = context.Queue(), context.Queue(), context.Event()
-        device = torch.device(config.generation_device or trainer.device)
+        device = torch.device(config.generation_device or runtime.device)
         self.saved_threads = torch.get_num_threads()
         threads = max(1, self.saved_threads // 2)
-        if device.type == "cpu" and trainer.device.type == "cpu":
+        if device.type == "cpu" and runtime.device.type == "cpu":
             torch.set_num_threads(max(1, self.saved_threads - threads))
-        # The trainable tensors stay marked so: an engine that follows the policy (vllm) watches
-        # their version counters to know when to reload. The worker never computes a gradient.
-        model = copy.deepcopy(trainer.policy).to("cpu")
-        separate = trainer.reference is not None and trainer.reference is not trainer.policy
+        separate = self.reference is not None and self.reference is not self.policy
         setup = WorkerSetup(
             config=config,
-            model=model,
-            reference=copy.deepcopy(trainer.reference).to("cpu") if separate else None,
-            reference_is_policy=trainer.reference is trainer.policy,
-            tokenizer=trainer.tokenizer,
-            reward_funcs=trainer.reward_funcs,
+            model=copy.deepcopy(self.policy).to("cpu"),
+            reference=copy.deepcopy(self.reference).to("cpu") if separate else None,
+            reference_is_policy=self.reference is self.policy,
+            tokenizer=self.tokenizer,
+            reward_funcs=self.reward_funcs,
             device=str(device),
             threads=threads,
-            bf16=config.bf16(device),
-            rank=trainer.ranks.rank,
-            slots=self.slots,
-            locks=self.locks,
-            slot_versions=self.slot_versions,
-            version=self.version,
+            rank=runtime.ranks.rank,
+            weights=self.weights,
             requests=self.requests,
             stop=self.stop,
             results=self.results,
@@ -156,14 +181,15 @@ class AsyncRollouts:
         )
         self.process = context.Process(target=serve, args=(setup,), name="grpo-rollout-worker", daemon=True)
         self.process.start()
-        self.cursor = trainer.data_position
+        self.cursor = position  # the data position of the next request
         self.pending = collections.deque()  # the data position after each batch in flight
-        for index in range(trainer.step, trainer.step + config.max_staleness + 1):
+        first = version // config.num_iterations
+        for index in range(first, first + config.max_staleness + 1):
             self._request(index)
 
     def close(self) -> None:
         """Stops the worker (asks: it leaves within a poll interval wherever it waits; else
-        terminates, then kills) and restores the thread count."""
+        terminates, then kills) and restores the thread count. The next batch starts it again."""
         if self.process is None:
             return
         process, self.process = self.process, None
@@ -183,36 +209,31 @@ class AsyncRollouts:
 
     # ---------------------------------------------------------------- batches
     def _request(self, index: int) -> None:
-        """Sends batch ``index``'s rows: the trainer's next rows from the request cursor (its
-        own data_position stays at the trained batches' end)."""
-        trainer = self.trainer
-        trained = trainer.data_position
-        trainer.data_position = self.cursor
-        rows, keys = trainer.next_rows()
-        self.cursor, trainer.data_position = trainer.data_position, trained
+        """Sends batch ``index``'s rows: the next rows from the request cursor."""
+        rows, keys, self.cursor = self.data.take(self.cursor)
         self.pending.append(self.cursor)
         self.requests.put((index, rows, keys))
 
-    def next(self) -> Rollout:
-        """The next step's batch on the trainer's device, with its ``sampling_logprobs`` (the
-        weights that sampled it), ``policy_version`` and the reference log-probs of the rows
-        the worker had time for; the step's first training pass then applies the sampling
-        correction, as to any batch with sampling log-probs."""
+    def next(self, position: int, version: int) -> Samples:
+        """The next batch on the trainer's device, with its ``sampling_logprobs`` (the weights
+        that sampled it), ``policy_version`` and the reference log-probs of the rows the worker
+        had time for. The first call starts the worker from ``position`` and ``version``; later
+        batches follow the ones requested (the trainer's position is the last batch's end)."""
         if self.process is None:
-            self.start()
-        trainer, config = self.trainer, self.trainer.config
+            self.start(position, version)
+        config = self.config
         start = time.perf_counter()
-        index, batch, timings = self._receive()
+        index, samples, timings = self._receive()
         wait = time.perf_counter() - start
-        trainer.data_position = self.pending.popleft()
+        samples.data_end = self.pending.popleft()
         self._request(index + config.max_staleness + 1)
-        self.metrics = dict(
-            staleness=index * config.num_iterations - batch.policy_version,
+        self._metrics = dict(
+            staleness=index * config.num_iterations - samples.policy_version,
             rollout_wait_s=wait,
             weight_copy_s=0.0,
             **timings,
         )
-        return to_device(batch, trainer.device)
+        return samples.to(self.runtime.device)
 
     def _receive(self) -> tuple:
         """The worker's next message; WorkerError when it sent an error or died."""
@@ -232,27 +253,17 @@ class AsyncRollouts:
             raise WorkerError(f"the rollout worker failed:\n{message[1]}")
         return pickle.loads(message[1])
 
-    def publish(self) -> None:
-        """Copies the trainer's weights into the free slot and announces the next version."""
+    def publish(self, policy: torch.nn.Module, version: int) -> None:
+        """Copies the trainer's weights into the free slot and announces ``version``."""
+        if self.process is None:  # not started: the worker starts from the policy as it is then
+            return
         start = time.perf_counter()
-        version = self.version.value + 1
-        slot = version % 2
-        with self.locks[slot], torch.no_grad():
-            for name, p in self.params:
-                self.slots[slot][name].copy_(p.detach())
-            self.slot_versions[slot] = version
-        self.version.value = version
-        self.metrics["weight_copy_s"] = self.metrics.get("weight_copy_s", 0.0) + time.perf_counter() - start
+        self.weights.write(self.params, version)
+        self._metrics["weight_copy_s"] = self._metrics.get("weight_copy_s", 0.0) + time.perf_counter() - start
 
-
-def to_device(batch: Rollout, device: torch.device) -> Rollout:
-    """The rollout with its tensors on ``device``."""
-    moved = {
-        f.name: getattr(batch, f.name).to(device)
-        for f in dataclasses.fields(batch)
-        if isinstance(getattr(batch, f.name), torch.Tensor)
-    }
-    return dataclasses.replace(batch, **moved)
+    def metrics(self) -> dict:
+        """The batch's staleness, the trainer's wait for it, the weight copies since, the worker's timings."""
+        return dict(self._metrics)
 
 
 # -------------------------------------------------------------------- the worker process
@@ -286,48 +297,51 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         transformers.set_seed(config.seed + setup.rank)  # the Hugging Face engine draws from torch's generator
+        runtime = Runtime.local(config, self.device)
         self.model = setup.model.to(self.device)
         self.params = dict(self.model.named_parameters())
         self.loaded = -1
-        self.generator = make_generator(config.generator, self.model, setup.tokenizer, config, bf16=setup.bf16)
-        self.packed = PackedPolicy(self.model, config.loss_config(), bf16=setup.bf16)
+        self.generator = make_generator(config.generator, self.model, setup.tokenizer, config, runtime)
+        self.packed = PackedPolicy(self.model, config.loss_config(), runtime)
         self.reference, self.reference_packed = None, None
         if setup.reference_is_policy:
             self.reference, self.reference_packed = self.model, self.packed
         elif setup.reference is not None:
             self.reference = setup.reference.to(self.device)
-            self.reference_packed = PackedPolicy(self.reference, config.loss_config(), bf16=setup.bf16)
+            self.reference_packed = PackedPolicy(self.reference, config.loss_config(), runtime)
 
     def run(self) -> None:
         setup, config = self.setup, self.setup.config
         while (request := self._wait_for_request()) is not None:
             index, rows, keys = request
             start = time.perf_counter()
-            while setup.version.value < index * config.num_iterations - config.max_staleness:
+            while setup.weights.newest.value < index * config.num_iterations - config.max_staleness:
                 if not self._running():
                     return
                 time.sleep(POLL_S / 10)
             weight_wait = time.perf_counter() - start
             self._load_newest()
             start = time.perf_counter()
-            batch = rollout(
+            samples = rollout(
                 self.generator, rows, keys, setup.reward_funcs, group_size=config.group_size, keep_logprobs=True
             )
-            micro = self._micro_batches(batch)  # as the trainer will pack it
-            if batch.sampling_logprobs is None:
-                batch = dataclasses.replace(batch, sampling_logprobs=self._logprobs(micro))
+            micro = self._micro_batches(samples)  # as the trainer will pack it
+            if samples.sampling_logprobs is None:
+                samples.sampling_logprobs = self._logprobs(micro)
             rollout_s = time.perf_counter() - start
-            batch = dataclasses.replace(batch, ref_logprobs=self._reference_logprobs(micro, index))
-            done = 0 if batch.ref_logprobs is None else batch.ref_logprobs.shape[0]
-            batch = dataclasses.replace(to_device(batch, torch.device("cpu")), policy_version=self.loaded)
+            samples.ref_logprobs = self._reference_logprobs(micro, index)
+            samples.policy_version = self.loaded
+            done = 0 if samples.ref_logprobs is None else samples.ref_logprobs.shape[0]
             timings = dict(
                 worker_weight_wait_s=weight_wait,
                 worker_rollout_s=rollout_s,
-                worker_reference_share=done / max(batch.input_ids.shape[0], 1),
+                worker_reference_share=done / max(samples.input_ids.shape[0], 1),
+                **self.generator.metrics(),
             )
+            samples = samples.to("cpu")
             # Plain pickle: the tensors' bytes travel in the message (a few KB a row), not as
             # shared-memory handles that a worker dying before they are read would take along.
-            setup.results.put(("batch", pickle.dumps((index, batch, timings))))
+            setup.results.put(("batch", pickle.dumps((index, samples, timings))))
 
     def _wait_for_request(self):
         """The next request, or None once the trainer asked to stop."""
@@ -346,15 +360,10 @@ class Worker:
         return not self.setup.stop.is_set()
 
     def _load_newest(self) -> None:
-        """Copies the newest slot into the model, when it holds a version not loaded yet."""
-        setup = self.setup
-        slot = setup.version.value % 2
-        with setup.locks[slot]:
-            version = setup.slot_versions[slot]
-            if version != self.loaded:
-                for name, tensor in setup.slots[slot].items():
-                    self.params[name].copy_(tensor)
-                self.loaded = version
+        """Copies the newest published weights into the model, if not loaded yet, and tells
+        the engine (one with its own copy of them, vllm, reloads)."""
+        self.loaded = self.setup.weights.read(self.params, self.loaded)
+        self.generator.publish(self.loaded)
 
     def _reference_logprobs(self, micro: list, index: int) -> torch.Tensor | None:
         """The reference log-probs [k, C] of batch ``index``'s first k rows, or None: its
@@ -371,12 +380,12 @@ class Worker:
         out = []
         with reference_context(self.model, self.reference):
             for packed in micro:
-                if setup.version.value >= ready or setup.stop.is_set():
+                if setup.weights.newest.value >= ready or setup.stop.is_set():
                     break
                 out.append(self.reference_packed(packed))
         return torch.cat(out) if out else None
 
-    def _micro_batches(self, batch: Rollout) -> list:
+    def _micro_batches(self, batch: Samples) -> list:
         """The batch packed as the trainer packs it."""
         config = self.setup.config
         return pack_micro_batches(

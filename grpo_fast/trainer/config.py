@@ -151,6 +151,13 @@ class GRPOConfig(LossConfig):
             return self.sampling_correction
         return "token_truncate" if self.max_staleness else "sequence_mask"
 
+    def correction_options(self) -> dict | None:
+        """The keyword options of ``spec.sampling_correction`` for this run, or None (off)."""
+        mode = self.correction_mode()
+        if mode is None:
+            return None
+        return dict(mode=mode, clip_min=self.sampling_correction_min, clip_max=self.sampling_correction_max)
+
     def loss_config(self) -> LossConfig:
         """The run's loss options as one frozen, validated :class:`LossConfig` (dr_grpo's
         max_completion_length defaults to max_new_tokens)."""

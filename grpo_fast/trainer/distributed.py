@@ -182,14 +182,15 @@ class Ranks:
 
 
 # ---------------------------------------------------------------- DDP and FSDP2
-def wrap(module: torch.nn.Module, parallel: str, device: torch.device, *, bf16: bool, trainable: bool = True):
+def wrap(module: torch.nn.Module, parallel: str, runtime, *, trainable: bool = True):
     """``module`` ready for this job: as it is in a single process; else DDP (when
     ``trainable``; a frozen module needs no gradient reduction and stays a plain replica) or
     FSDP2, sharded in place, one unit per decoder layer (the model's ``_no_split_modules``)
-    and the rest in the root unit, with bf16 weights and float32 gradient reduction on CUDA
-    when ``bf16``."""
+    and the rest in the root unit, its weights gathered in the runtime's 16-bit dtype (if
+    any) and its gradients reduced in float32."""
     if parallel not in PARALLEL:
         raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
+    device = runtime.device
     if not dist.is_initialized():
         return module
     if parallel == "ddp":
@@ -210,8 +211,8 @@ def wrap(module: torch.nn.Module, parallel: str, device: torch.device, *, bf16: 
     # which puts the shards of a CPU run on a GPU host on cuda:0.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     precision = MixedPrecisionPolicy()
-    if bf16 and device.type == "cuda":
-        precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if runtime.half_weights is not None:
+        precision = MixedPrecisionPolicy(param_dtype=runtime.half_weights, reduce_dtype=torch.float32)
     blocks = {name for m in module.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
     for layer in module.modules():
         if type(layer).__name__ in blocks:

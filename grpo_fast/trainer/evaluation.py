@@ -23,10 +23,9 @@ import math
 import torch
 
 from grpo_fast import group_advantages
-from grpo_fast.trainer import distributed
-from grpo_fast.trainer.distributed import Ranks
 from grpo_fast.trainer.generators import make_generator
 from grpo_fast.trainer.rollout import RewardError, rollout, score
+from grpo_fast.trainer.runtime import Runtime
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -100,7 +99,7 @@ def eval_metrics(rewards: torch.Tensor, reward_names: list, n: int, pass_thresho
 
 @dataclasses.dataclass
 class Evaluator:
-    """Evaluates ``model`` on ``rows``: ``evaluator() -> {"eval/reward_mean": ..., ...}``.
+    """Evaluates ``model`` on ``rows``: ``evaluator(version) -> {"eval/reward_mean": ..., ...}``.
 
     Args:
         model, tokenizer: the policy (as the trainer holds it) and its tokenizer.
@@ -109,8 +108,8 @@ class Evaluator:
             reward_weights, batch_size (prompts per generation call: batch_size // eval_samples).
         rows: the eval prompt rows ``{"prompt": str, ...}``.
         reward_funcs, reward_names: the run's reward functions and their names.
-        ranks: the job's ranks (default: one process).
-        bf16: sample under bf16 autocast (CUDA).
+        runtime: the device, the job's ranks and the precision (default: one process at
+            float32 on the model's device).
     """
 
     model: torch.nn.Module
@@ -119,22 +118,24 @@ class Evaluator:
     rows: list
     reward_funcs: list
     reward_names: list
-    ranks: Ranks | None = None
-    bf16: bool = False
+    runtime: Runtime | None = None
 
     def __post_init__(self):
         config = self.config
         if not self.rows:
             raise ValueError("the eval dataset has no rows")
         check_reward_columns(self.rows, self.reward_funcs)
-        self.ranks = self.ranks or Ranks(torch.device("cpu"))
+        self.runtime = self.runtime or Runtime(next(self.model.parameters()).device)
         temperature = config.temperature if config.eval_temperature is None else config.eval_temperature
         # the engine reads its sampling knobs from the config: the eval's temperature in a copy
         sampling = dataclasses.replace(config, temperature=temperature)
-        self.generator = make_generator(config.generator, self.model, self.tokenizer, sampling, bf16=self.bf16)
+        self.generator = make_generator(config.generator, self.model, self.tokenizer, sampling, self.runtime)
 
-    def __call__(self) -> dict:
-        config, ranks, n = self.config, self.ranks, self.config.eval_samples
+    def __call__(self, version: int = 0) -> dict:
+        """The eval metrics of the model with its weights at ``version`` (optimizer steps; an
+        engine with its own copy of them, vllm, reloads them when they changed)."""
+        self.generator.publish(version)
+        config, ranks, n = self.config, self.runtime.ranks, self.config.eval_samples
         M = len(self.rows)
         first, stop = ranks.rank * M // ranks.world_size, (ranks.rank + 1) * M // ranks.world_size
         chunk = max(1, config.batch_size // n)
@@ -153,7 +154,7 @@ class Evaluator:
         nor moves the training's random state."""
         if self.config.generator != "hf":
             return contextlib.nullcontext()
-        return _seeded(self.config.seed + self.ranks.rank, next(self.model.parameters()).device)
+        return _seeded(self.config.seed + self.runtime.ranks.rank, self.runtime.device)
 
 
 @contextlib.contextmanager
@@ -170,14 +171,11 @@ def evaluate_model(config) -> dict:
     import transformers
 
     from grpo_fast.tasks import resolve_rewards
-    from grpo_fast.trainer.grpo import load_model_and_tokenizer
-    from grpo_fast.trainer.packing import flash_attention_available
+    from grpo_fast.trainer.model import load_model_and_tokenizer
 
     transformers.set_seed(config.seed)
-    device = distributed.resolve_device(config.device)
-    ranks = distributed.setup(device, config.collective_timeout_s)
-    bf16 = config.bf16(device)
-    model, tokenizer = load_model_and_tokenizer(config, flash_attention_available(device, bf16))
+    runtime = Runtime.start(config)
+    model, tokenizer = load_model_and_tokenizer(config, runtime.flash_attention())
     funcs, names = resolve_rewards(config.reward_funcs, config.dataset)
     rows = load_eval_rows(config, tokenizer)
-    return Evaluator(model.to(device), tokenizer, config, rows, funcs, names, ranks, bf16)()
+    return Evaluator(model.to(runtime.device), tokenizer, config, rows, funcs, names, runtime)()

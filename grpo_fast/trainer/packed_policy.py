@@ -8,14 +8,16 @@ around its forward only, so the fused LM-head loss, which reads the head's weigh
 must run inside it (anywhere else that weight is one rank's shard).
 """
 
+from typing import NamedTuple
+
 import torch
 
 from grpo_fast import fused_linear_token_logprobs, policy_loss, token_logprobs
 from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_with_tokens
 from grpo_fast.ops.policy import LossInputs
-from grpo_fast.spec import LossConfig
+from grpo_fast.outputs import LossOutput
+from grpo_fast.spec import LossConfig, SamplingCorrection, sampling_correction
 from grpo_fast.trainer.packing import Packed, pack, packed_hidden, packed_logits, to_grid
-from grpo_fast.trainer.precision import autocast
 
 
 def filler(device: torch.device) -> Packed:
@@ -26,21 +28,48 @@ def filler(device: torch.device) -> Packed:
     return pack(ids, torch.ones_like(ids), 1, slice(0, 1))
 
 
+class Behaviour(NamedTuple):
+    """What the sampling correction of a micro-batch compares with: the log-probs the samples
+    were drawn with [n, C] and the completion mask [n, C] of its rows, and the run's options
+    of :func:`~grpo_fast.spec.sampling_correction` (mode, clip_min, clip_max)."""
+
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+    options: dict
+
+
+class PassOutput(NamedTuple):
+    """One micro-batch's loss pass: the loss output, the policy's log-probs of its completion
+    tokens [Nc] (detached), and the sampling correction its loss applied (grids [n, C]), if any."""
+
+    loss: LossOutput
+    logprobs: torch.Tensor
+    correction: SamplingCorrection | None
+
+
+def corrected(inputs: LossInputs, logp: torch.Tensor, packed: Packed, behaviour: Behaviour) -> tuple:
+    """``(inputs with the correction's importance weights [Nc], the correction)`` of a
+    micro-batch whose policy log-probs [Nc] are ``logp`` (the correction on its [n, C] grid)."""
+    grid = to_grid(logp.unsqueeze(0), packed)
+    correction = sampling_correction(grid, behaviour.logprobs, behaviour.mask, **behaviour.options)
+    return inputs._replace(importance_weights=correction.weights[packed.grid]), correction
+
+
 class PackedPolicy(torch.nn.Module):
     """``policy`` (a causal LM) run on packed micro-batches.
 
     Args:
         policy: the model; its parameters are this module's.
         loss_config: the run's loss options (its temperature scales every log-prob).
-        bf16: forwards under bf16 autocast on CUDA.
+        runtime: the precision of the forwards (``Runtime.autocast``).
         entropy: the loss passes also average the per-token entropy (a logged number: on
             CPU it costs three of a chunk's five vocabulary passes).
     """
 
-    def __init__(self, policy, loss_config: LossConfig, *, bf16: bool = False, entropy: bool = True):
+    def __init__(self, policy, loss_config: LossConfig, runtime, *, entropy: bool = True):
         super().__init__()
         self.policy = policy
-        self.loss_config, self.bf16, self.entropy = loss_config, bf16, entropy
+        self.loss_config, self.runtime, self.entropy = loss_config, runtime, entropy
 
     def forward(
         self,
@@ -48,34 +77,34 @@ class PackedPolicy(torch.nn.Module):
         inputs: LossInputs | None = None,
         *,
         fused_linear: bool = False,
-        correct=None,
+        behaviour: Behaviour | None = None,
     ):
         """Without ``inputs``: the completion tokens' log-probs [n, C] (0 where a row has no
         token), differentiable when gradients are enabled.
 
         With ``inputs`` (the micro-batch's flat per-token inputs [Nc], sequence boundaries
-        ``packed.completion_cu_seqlens``): ``(loss output, log-probs [Nc] detached)``, the loss
-        being ``policy_loss`` of the packed log-probs, or with ``fused_linear`` the loss from
-        the last hidden states [Nc, H] and the LM head (``fused_linear_grpo_loss``, never the
+        ``packed.completion_cu_seqlens``): a :class:`PassOutput`, the loss being
+        ``policy_loss`` of the packed log-probs, or with ``fused_linear`` the loss from the
+        last hidden states [Nc, H] and the LM head (``fused_linear_grpo_loss``, never the
         [Nc, V] logits). No padded grid either way.
 
-        ``correct`` (with ``inputs``): a function of the micro-batch's log-probs [Nc] (detached)
-        that gives its ``importance_weights`` [Nc], the sampling correction. These weights are
-        the policy's as the step starts, so these log-probs are the correction's proximal
-        ones: no other pass over the model computes them (the fused LM head sweeps the
-        vocabulary once more for them, without gradients).
+        ``behaviour`` (with ``inputs``): the loss applies the sampling correction of these
+        log-probs against the micro-batch's own as ``importance_weights``. The weights are the
+        policy's as the step starts, so its log-probs are the correction's proximal ones: no
+        other pass over the model computes them (the fused LM head sweeps the vocabulary once
+        more for them, without gradients). The correction comes back in the output.
         """
-        config = self.loss_config
-        with autocast(packed.input_ids.device, self.bf16):
+        config, correction = self.loss_config, None
+        with self.runtime.autocast():
             if inputs is not None and fused_linear:
                 head = self.policy.get_output_embeddings()
                 hidden = packed_hidden(self.policy, packed)
-                if correct is not None:
+                if behaviour is not None:
                     with torch.no_grad():
                         logp = fused_linear_token_logprobs(
                             hidden, head.weight, packed.targets[0], bias=head.bias, temperature=config.temperature
                         )
-                    inputs = inputs._replace(importance_weights=correct(logp))
+                    inputs, correction = corrected(inputs, logp, packed, behaviour)
                 out, tokens = fused_linear_loss_with_tokens(
                     hidden,
                     head.weight,
@@ -85,14 +114,14 @@ class PackedPolicy(torch.nn.Module):
                     config,
                     return_entropy=self.entropy,
                 )
-                return out, tokens.logp
+                return PassOutput(out, tokens.logp, correction)
             logits = packed_logits(self.policy, packed)  # [1, Nc, V]
         if inputs is None:
             return to_grid(token_logprobs(logits, packed.targets, temperature=config.temperature), packed)
         logp = token_logprobs(logits, packed.targets, temperature=config.temperature, return_entropy=self.entropy)
         logp, entropy = (x[0] for x in logp) if self.entropy else (logp[0], None)
-        if correct is not None:
-            inputs = inputs._replace(importance_weights=correct(logp.detach()))
+        if behaviour is not None:
+            inputs, correction = corrected(inputs, logp.detach(), packed, behaviour)
         out = policy_loss(
             logp,
             inputs.advantages,
@@ -105,4 +134,4 @@ class PackedPolicy(torch.nn.Module):
             cu_seqlens=inputs.cu_seqlens,
             loss_config=config,
         )
-        return out, logp.detach()
+        return PassOutput(out, logp.detach(), correction)

@@ -184,14 +184,6 @@ def packed_sdpa(
     return out.transpose(1, 2).reshape(n * longest, heads, d).index_select(0, slots).unsqueeze(0), None
 
 
-def flash_attention_available(device: torch.device, bf16: bool) -> bool:
-    """Whether a model on ``device`` can attend with ``flash_attention_2``: CUDA, 16-bit
-    activations (bf16 autocast) and the flash-attn package installed."""
-    from transformers.utils import is_flash_attn_2_available
-
-    return device.type == "cuda" and bf16 and is_flash_attn_2_available()
-
-
 @contextlib.contextmanager
 def packed_attention(model):
     """Inside the block ``model`` attends within packed sequences: flash-attention models as

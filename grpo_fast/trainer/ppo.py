@@ -1,10 +1,10 @@
 """PPOTrainer: the critic baseline that GRPO is measured against.
 
-GRPO's step template (``GRPOTrainer.train_step``) with three of its steps extended:
+GRPO's step (``GRPOTrainer.run_step``) with four of its hooks extended:
 
     for step:
-        rollout  <- the GRPO trainer's rollout: G samples per prompt, rewards, (ref log-probs)
-        compute_advantages:
+        samples  <- the GRPO trainer's source: G samples per prompt, rewards
+        prepare: GRPO's batch (micro-batches, reference log-probs), then
             values   <- value model on the padded batch's completion tokens, no grad  # (N, C)
             rewards  <- the sequence reward on each completion's last token          # (N, C)
             A, R     <- GAE(rewards, values; gamma, lambda); A whitened over active tokens
@@ -15,6 +15,7 @@ GRPO's step template (``GRPOTrainer.train_step``) with three of its steps extend
                 critic, per padded micro-batch of micro_batch_size rows:
                         clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2)
             optimizer_step: clip and step each model with its own AdamW
+        extra_metrics: the critic's mean value
 
 Choices, so that PPO and GRPO differ only in where the advantages come from: the same
 rollout, reward path, policy loss and options (loss_type, clipping, micro-batching); the
@@ -29,7 +30,6 @@ torchrun).
 
 import copy
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +38,10 @@ from grpo_fast.spec import option
 from grpo_fast.trainer import distributed
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.generators import position_ids
-from grpo_fast.trainer.grpo import GRPOTrainer, lr_scheduler
-from grpo_fast.trainer.precision import autocast
-from grpo_fast.trainer.rollout import Rollout
+from grpo_fast.trainer.grpo import GRPOTrainer
+from grpo_fast.trainer.optimization import adamw, clipped_step, lr_scheduler
+from grpo_fast.trainer.rollout import Samples
+from grpo_fast.trainer.step import PassResult, StepBatch
 
 
 @dataclass
@@ -127,8 +128,8 @@ def clipped_value_loss(values, old_values, returns, mask, cliprange: float):
 
 
 @dataclass
-class PPORollout(Rollout):
-    """A rollout with the critic's view: its values at sampling time and the GAE returns."""
+class PPOBatch(StepBatch):
+    """A step's batch with the critic's view: its values at sampling time and the GAE returns."""
 
     old_values: torch.Tensor | None = None  # [N, C]
     returns: torch.Tensor | None = None  # [N, C]
@@ -171,74 +172,68 @@ class PPOTrainer(GRPOTrainer):
                 "torchrun"
             )
         super().__init__(config, **kwargs)
-        self.value_model = ValueModel(self.policy).to(self.device).train()
-        self.value_optimizer = torch.optim.AdamW(
-            self.value_model.parameters(),
-            lr=config.value_learning_rate or config.learning_rate,
-            betas=(config.adam_beta1, config.adam_beta2),
-            weight_decay=config.weight_decay,
-        )
+        self.value_model = ValueModel(self.policy).to(self.runtime.device).train()
+        self.value_optimizer = adamw(self.value_model.parameters(), config, config.value_learning_rate)
         self.value_scheduler = lr_scheduler(self.value_optimizer, config)
 
     @torch.no_grad()
-    def rollout_values(self, batch: Rollout) -> torch.Tensor:
-        """The critic's values of the rollout, [N, C], in micro-batches."""
-        N, C = batch.completion_mask.shape
+    def rollout_values(self, samples: Samples) -> torch.Tensor:
+        """The critic's values of the samples, [N, C], in micro-batches."""
+        N, C = samples.completion_mask.shape
         step = self.config.micro_batch_size or N
-        with autocast(self.device, self.bf16):
+        with self.runtime.autocast():
             return torch.cat(
                 [
-                    self.value_model(batch.input_ids[i : i + step], batch.attention_mask[i : i + step], C)
+                    self.value_model(samples.input_ids[i : i + step], samples.attention_mask[i : i + step], C)
                     for i in range(0, N, step)
                 ]
             )
 
-    def compute_advantages(self, batch: Rollout) -> PPORollout:
-        """GAE advantages [N, C] from the critic's values; the group statistics are kept for
-        logging. Unscored completions leave both losses (their mask is zeroed)."""
+    def prepare(self, samples: Samples) -> StepBatch:
+        """GRPO's batch with GAE advantages [N, C] from the critic's values (the group
+        statistics are kept for logging). Unscored completions leave both losses (their mask
+        is zeroed, and so are they in the token count)."""
         config = self.config
-        batch = super().compute_advantages(batch)
-        scores = batch.advantages.rewards  # [N], the weighted reward sum, NaN where unscored
+        batch = super().prepare(samples)
+        if batch.stats is None:
+            return batch
+        scores = batch.stats.rewards  # [N], the weighted reward sum, NaN where unscored
         mask = batch.completion_mask * (~scores.isnan()).unsqueeze(1)  # [N, C]
-        old_values = self.rollout_values(batch)  # [N, C]
+        old_values = self.rollout_values(samples)  # [N, C]
         advantages, returns = gae(
             terminal_rewards(scores.nan_to_num(0.0), mask), old_values, mask, config.gamma, config.lam
         )
         if config.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-        fields.update(completion_mask=mask, advantages=batch.advantages._replace(advantages=advantages))
-        return PPORollout(**fields, old_values=old_values, returns=returns)
+        fields.update(completion_mask=mask, advantages=advantages, num_items=self.runtime.ranks.sum(mask.sum()))
+        return PPOBatch(**fields, old_values=old_values, returns=returns)
 
-    def accumulate_gradients(self, batch: PPORollout, num_items, logprobs: list | None = None, *, read=True) -> dict:
+    def accumulate_gradients(self, batch: PPOBatch, proximal) -> PassResult:
         """The policy's backward passes (GRPO's own), then the critic's."""
-        sums = super().accumulate_gradients(batch, num_items, logprobs, read=read)
-        sums.update(self.accumulate_value_gradients(batch, num_items))
-        return sums
+        result = super().accumulate_gradients(batch, proximal)
+        result.metrics.update(self.accumulate_value_gradients(batch))
+        return result
 
     def optimizer_step(self) -> dict:
-        """Clips and steps the policy (GRPO's own), then the critic with its own AdamW."""
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        value_grad_norm = torch.nn.utils.clip_grad_norm_(self.value_model.parameters(), max_norm).item()
-        self.value_optimizer.step()
-        self.value_scheduler.step()
-        self.value_optimizer.zero_grad(set_to_none=True)
+        """Clips and steps the critic with its own AdamW, then the policy (GRPO's own)."""
+        value_grad_norm = clipped_step(self.value_optimizer, self.value_scheduler, self.config.max_grad_norm).item()
         return dict(**super().optimizer_step(), value_grad_norm=value_grad_norm)
 
-    def extra_metrics(self, batch: PPORollout) -> dict:
+    def extra_metrics(self, batch: PPOBatch) -> dict:
         mask = batch.completion_mask
         return dict(value_mean=((batch.old_values * mask).sum() / mask.sum().clamp(min=1)).item())
 
-    def accumulate_value_gradients(self, batch: PPORollout, num_items) -> dict:
+    def accumulate_value_gradients(self, batch: PPOBatch) -> dict:
         """Backward of the clipped value loss, a token mean over the whole batch, in micro-batches."""
-        config = self.config
+        config, num_items, samples = self.config, batch.num_items, batch.samples
         N, C = batch.completion_mask.shape
         micro = config.micro_batch_size or N
         loss, clipped = 0.0, 0.0
         for i in range(0, N, micro):
             rows = slice(i, min(i + micro, N))
-            with autocast(self.device, self.bf16):
-                values = self.value_model(batch.input_ids[rows], batch.attention_mask[rows], C)
+            with self.runtime.autocast():
+                values = self.value_model(samples.input_ids[rows], samples.attention_mask[rows], C)
             value_sum, clip_count = clipped_value_loss(
                 values, batch.old_values[rows], batch.returns[rows], batch.completion_mask[rows], config.cliprange_value
             )

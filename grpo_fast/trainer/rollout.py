@@ -1,11 +1,10 @@
-"""The rollout: G sampled completions per prompt, their rewards and log-probs.
+"""Samples: G sampled completions per prompt with their rewards, what a rollout source returns.
 
-Shared by the GRPO trainer and the PPO baseline: both sample with a generation engine
-(``grpo_fast/trainer/generators/``), score with :func:`score`, keep only the groups that
-carry a signal when sampling dynamically (:func:`groups_with_signal`, :func:`select_groups`,
-:func:`concat_rollouts`). The trainer computes per-token log-probs of completions on packed
-sequences (``packed_policy.py``), the LM head only at completion positions. The advantages
-are the trainer's next step (``GRPOTrainer.compute_advantages``).
+Shared by the GRPO trainer, the PPO baseline and the evaluation: each samples with a
+generation engine (``grpo_fast/trainer/generators/``) and scores with :func:`score`;
+dynamic sampling keeps only the groups that carry a signal (:func:`groups_with_signal`,
+:func:`select_groups`, :func:`concat_samples`). What the trainer makes of samples (advantages,
+reference log-probs, packed micro-batches) is the step's batch (``step.py``).
 
 Sequence layout, N = num_prompts * G rows (see :class:`~grpo_fast.trainer.generators.Generation`):
 
@@ -23,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from grpo_fast import group_advantages
-from grpo_fast.outputs import GroupAdvantages
 
 
 class RewardError(RuntimeError):
@@ -31,8 +29,8 @@ class RewardError(RuntimeError):
 
 
 @dataclass
-class Rollout:
-    """One batch of experience: N = len(prompts) rows, samples of a prompt adjacent."""
+class Samples:
+    """One batch of samples: N = len(prompts) rows, the samples of a prompt adjacent."""
 
     prompts: list  # [N] str, each prompt repeated G times
     completions: list  # [N] str, decoded without special tokens
@@ -41,24 +39,21 @@ class Rollout:
     attention_mask: torch.Tensor  # [N, P + C]
     completion_mask: torch.Tensor  # [N, C] float32
     rewards: torch.Tensor  # [N, K] float32, NaN where a function returned None
-    old_logprobs: torch.Tensor | None = None  # [N, C], only when num_iterations > 1
-    ref_logprobs: torch.Tensor | None = None  # [N, C], only when beta != 0
-    # [N, C] the log-probs the samples were drawn with, when they may differ from the trainer's:
+    # [N, C] the log-probs the samples were drawn with, where they may differ from the trainer's:
     # the vllm engine's, or a rollout worker's (older weights: asynchronous rollouts)
     sampling_logprobs: torch.Tensor | None = None
-    importance_weights: torch.Tensor | None = None  # [N, C], the loss's correction for that difference
-    sampling_metrics: dict = dataclasses.field(default_factory=dict)  # the correction's log line
-    policy_version: int | None = None  # optimizer steps of the weights that sampled it (asynchronous rollouts)
-    # set by the trainer's compute_advantages: .advantages [N] (or [N, C] for PPO),
-    # .rewards [N] (weighted sum, NaN where unscored), group stats
-    advantages: GroupAdvantages | None = None
+    policy_version: int | None = None  # optimizer steps of the weights that sampled them (a rollout worker's)
+    # [k, C] the reference log-probs of the first k rows, computed ahead by a rollout worker
+    # (the trainer computes the others), or None
+    ref_logprobs: torch.Tensor | None = None
+    data_end: int = 0  # the data position after the rows sampled: where the next batch starts
     sampling_rounds: int = 1  # generation rounds it took (dynamic sampling)
-    dropped_groups: int = 0  # groups sampled but dropped: their rewards were all equal
-    # set by the trainer: every rank's [combined reward, completion length, each reward] rows
-    # [N_global, 2 + K], gathered once per step (compute_advantages); the packed micro-batches,
-    # keyed by the (token, row) limits they were cut by and the token tensors they were cut from
-    scores: torch.Tensor | None = None
-    packed: tuple | None = None
+    dropped_groups: int = 0  # groups sampled but dropped, over every rank: their rewards were all equal
+
+    def to(self, device) -> "Samples":
+        """These samples with their tensors on ``device``."""
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return Samples(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
 def score(reward_funcs: list, prompts: list, completions: list, columns: dict) -> torch.Tensor:
@@ -144,9 +139,8 @@ def groups_with_signal(rewards: torch.Tensor, group_size: int, reward_weights=No
     return (advantages.view(-1, group_size) != 0).any(1)
 
 
-def select_groups(batch: Rollout, groups: torch.Tensor, group_size: int) -> Rollout:
-    """The rows of the groups ``groups`` [k] (indices, in order) of a rollout without
-    advantages or the trainer's log-probs yet."""
+def select_groups(batch: Samples, groups: torch.Tensor, group_size: int) -> Samples:
+    """The rows of the groups ``groups`` [k] (indices, in order) of freshly sampled ``batch``."""
     rows = (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1).tolist()
     pick = torch.tensor(rows, dtype=torch.long)
     per_row = ("input_ids", "attention_mask", "completion_mask", "rewards")
@@ -160,9 +154,9 @@ def select_groups(batch: Rollout, groups: torch.Tensor, group_size: int) -> Roll
     )
 
 
-def concat_rollouts(parts: list, pad_token_id: int) -> Rollout:
-    """Rollouts (without advantages or the trainer's log-probs yet) one after the other, re-padded to the
-    widest prompt (on the left) and the longest completion (on the right)."""
+def concat_samples(parts: list, pad_token_id: int) -> Samples:
+    """Freshly sampled batches one after the other, re-padded to the widest prompt (on the
+    left) and the longest completion (on the right)."""
     parts = [part for part in parts if part.input_ids.shape[0]] or parts[-1:]
     if len(parts) == 1:
         return parts[0]
@@ -194,7 +188,7 @@ def concat_rollouts(parts: list, pad_token_id: int) -> Rollout:
 
 def rollout(
     generator, rows: list, keys: list, reward_funcs: list, *, group_size: int, keep_logprobs: bool = False
-) -> Rollout:
+) -> Samples:
     """Generation and rewards of one batch of prompts, with the engine's log-probs as
     ``sampling_logprobs`` where the trainer corrects for them: an engine that drifts (vllm), or
     ``keep_logprobs`` (a rollout worker's batch). The trainer computes its own log-probs once it
@@ -210,7 +204,7 @@ def rollout(
     prompts = [row["prompt"] for row in rows for _ in range(group_size)]
     columns = {key: [row[key] for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
     out = generator.generate([row["prompt"] for row in rows], group_size, keys)
-    return Rollout(
+    return Samples(
         prompts=prompts,
         completions=out.completions,
         columns=columns,
@@ -218,5 +212,5 @@ def rollout(
         attention_mask=out.attention_mask,
         completion_mask=out.completion_mask,
         rewards=score(reward_funcs, prompts, out.completions, columns),
-        sampling_logprobs=out.logprobs if keep_logprobs or getattr(generator, "drifts", False) else None,
+        sampling_logprobs=out.logprobs if keep_logprobs or generator.drifts else None,
     )

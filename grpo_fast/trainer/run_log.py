@@ -84,16 +84,17 @@ def completions_path(output_dir: str) -> str:
 
 
 def completion_rows(batch, step: int, reward_names: list, max_rows: int = COMPLETION_ROWS) -> list:
-    """Up to ``max_rows`` rows of a rollout with advantages, spread evenly over its groups:
-    ``{"step", "prompt", "completion", "reward", <each reward function>, "advantage"}`` (a
-    per-token advantage [N, C], PPO's, as its mean over the completion's tokens; None for NaN)."""
-    advantages = batch.advantages.advantages
+    """Up to ``max_rows`` rows of a step's batch (``step.StepBatch``, with advantages), spread
+    evenly over its groups: ``{"step", "prompt", "completion", "reward", <each reward
+    function>, "advantage"}`` (a per-token advantage [N, C], PPO's, as its mean over the
+    completion's tokens; None for NaN)."""
+    advantages, samples = batch.advantages, batch.samples
     if advantages.dim() == 2:
         mask = batch.completion_mask.to(advantages.device)
         advantages = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
-    N = len(batch.completions)
+    N = len(samples.completions)
     picks = range(0, N, max(1, math.ceil(N / max_rows)))
-    table = torch.cat([batch.advantages.rewards[:, None].cpu(), batch.rewards.cpu(), advantages[:, None].cpu()], 1)
+    table = torch.cat([batch.stats.rewards[:, None].cpu(), samples.rewards.cpu(), advantages[:, None].cpu()], 1)
 
     def number(x: float):
         return None if math.isnan(x) else x
@@ -104,8 +105,8 @@ def completion_rows(batch, step: int, reward_names: list, max_rows: int = COMPLE
         rows.append(
             dict(
                 step=step,
-                prompt=batch.prompts[i],
-                completion=batch.completions[i],
+                prompt=samples.prompts[i],
+                completion=samples.completions[i],
                 reward=values[0],
                 **{name: value for name, value in zip(reward_names, values[1:-1])},
                 advantage=values[-1],

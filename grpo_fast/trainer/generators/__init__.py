@@ -1,18 +1,18 @@
 """Generation engines: how a rollout samples its completions.
 
-An engine is a class built as ``Engine(model, tokenizer, config, bf16=...)`` (the policy,
-its tokenizer, the run's :class:`~grpo_fast.trainer.GRPOConfig` with the sampling knobs)
-whose ``generate(prompts, group_size, keys)`` returns a :class:`Generation`. Adding an
-engine is one module in this folder and one row of :data:`ENGINES`; ``--generator NAME``
-picks it. Two optional class attributes: ``drifts = True`` says its log-probs may differ from
-the trainer's at the same weights (the trainer then corrects the loss for it, the loss spec's
-``sampling_correction``); ``runs_policy = False`` says it samples with its own copy of the
-weights (the trainer then does not gather an FSDP2 policy for the rollout).
+An engine is a subclass of :class:`Generator` built as ``Engine(model, tokenizer, config,
+runtime)`` (the policy, its tokenizer, the run's :class:`~grpo_fast.trainer.GRPOConfig` with
+the sampling knobs, the :class:`~grpo_fast.trainer.runtime.Runtime` it samples in) whose
+``generate(prompts, group_size, keys)`` returns a :class:`Generation`. Adding an engine is one
+module in this folder and one row of :data:`ENGINES`; ``--generator NAME`` picks it.
+:class:`Generator` declares what else an engine may say or do, with defaults: whether its
+log-probs drift from the trainer's, whether it samples with the policy itself, how it learns
+of new weights (``publish``), its share of the log line, how it stops.
 """
 
 import contextlib
 import importlib
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
@@ -41,19 +41,52 @@ class Generation(NamedTuple):
     logprobs: torch.Tensor | None = None
 
 
-class Generator(Protocol):
+class Generator:
+    """A generation engine. Subclasses implement :meth:`generate` and override what differs.
+
+    Attributes:
+        drifts: its log-probs may differ from the trainer's at the same weights (other
+            kernels: vllm); the trainer then corrects the loss for it (the loss spec's
+            ``sampling_correction``).
+        runs_policy: it samples with the policy module itself, so an FSDP2 policy is gathered
+            for a rollout; False: it holds its own copy of the weights (vllm).
+    """
+
+    drifts = False
+    runs_policy = True
+
+    def __init__(self, model, tokenizer, config, runtime=None):
+        from grpo_fast.trainer.runtime import Runtime
+
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.runtime = runtime or Runtime(next(model.parameters()).device)
+
     def generate(self, prompts: list, group_size: int, keys: list) -> Generation:
         """Samples ``group_size`` completions of each prompt. ``keys`` [num_prompts] int
         identify the prompts within the run (their data positions), so that an engine can
         make a sample a function of (seed, key, sample index) alone."""
+        raise NotImplementedError
+
+    def publish(self, version: int) -> None:
+        """The policy's weights are now at ``version`` (optimizer steps). An engine that
+        samples with the policy itself has nothing to do; one with a copy refreshes it before
+        its next rollout."""
+
+    def metrics(self) -> dict:
+        """The engine's share of the step's log line (timings), reset on read."""
+        return {}
+
+    def close(self) -> None:
+        """Releases what the engine holds beyond Python's garbage collection."""
 
 
-def make_generator(name: str, model, tokenizer, config, *, bf16: bool = False) -> Generator:
-    """The engine ``name`` (a key of :data:`ENGINES`) for ``model``."""
+def make_generator(name: str, model, tokenizer, config, runtime=None) -> Generator:
+    """The engine ``name`` (a key of :data:`ENGINES`) for ``model``, sampling in ``runtime``
+    (default: a single process at float32 on the model's device)."""
     if name not in ENGINES:
         raise ValueError(f"generator must be one of {tuple(ENGINES)}, got {name!r}")
     module, cls = ENGINES[name].split(":")
-    return getattr(importlib.import_module(module), cls)(model, tokenizer, config, bf16=bf16)
+    return getattr(importlib.import_module(module), cls)(model, tokenizer, config, runtime)
 
 
 @contextlib.contextmanager

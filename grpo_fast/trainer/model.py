@@ -1,0 +1,107 @@
+"""Model building: the policy and tokenizer, LoRA, the frozen reference, and the modules every
+packed pass runs, wrapped for the job (DDP or FSDP2 under torchrun; see ``distributed.py``)."""
+
+import copy
+import dataclasses
+import warnings
+
+import torch
+
+from grpo_fast.spec import LossConfig
+from grpo_fast.trainer import distributed
+from grpo_fast.trainer.packed_policy import PackedPolicy, filler
+from grpo_fast.trainer.packing import Packed
+
+
+def load_model_and_tokenizer(config, flash_attention: bool = False):
+    """The policy and tokenizer: from ``config.model`` (a local path) or the built-in demo.
+    ``flash_attention`` loads the model with ``flash_attention_2``, whose varlen kernels run
+    the packed forwards (see ``packing.py``)."""
+    if config.model is None:
+        from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
+
+        tokenizer = build_tokenizer()
+        # vLLM's CPU attention needs heads of 32 or more: its demo model has 2 heads of 32 (the
+        # same weight shapes as the default's 4 heads of 16)
+        heads = dict(num_attention_heads=2, num_key_value_heads=2) if config.generator == "vllm" else {}
+        return build_model(tokenizer, seed=config.seed, **heads), tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    attention = dict(attn_implementation="flash_attention_2") if flash_attention else {}
+    model = AutoModelForCausalLM.from_pretrained(config.model, local_files_only=True, dtype=torch.float32, **attention)
+    return model, tokenizer
+
+
+def prepare_policy(model, config, device: torch.device):
+    """``model`` as the run trains it, in place: a peft LoRA of it (lora_r > 0), gradient
+    checkpointing (with ``use_cache = False``), on ``device``, in train mode."""
+    if config.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            target_modules=list(config.lora_target_modules),
+            task_type="CAUSAL_LM",
+        )
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = get_peft_model(model, lora)
+    if config.gradient_checkpointing:
+        # activation_checkpointing_enable is gradient_checkpointing_enable's name from transformers 5.2x
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+        model.config.use_cache = False
+    return model.to(device).train()
+
+
+def make_reference(policy, beta: float):
+    """None when beta == 0; the policy itself for a peft policy (adapters off); else a frozen copy."""
+    if beta == 0:
+        return None
+    if hasattr(policy, "disable_adapter"):  # peft: lora_r > 0 or a PeftModel passed in
+        return policy
+    reference = copy.deepcopy(policy).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+@dataclasses.dataclass
+class Modules:
+    """The modules every packed pass runs.
+
+    packed: the policy's :class:`PackedPolicy` (sharded in place under FSDP2); train: what the
+    backward passes run (DDP's wrapper of ``packed``, or it); reference: the frozen copy's,
+    sharded alike, or ``packed`` for a peft policy (its reference is itself with adapters off),
+    or None (beta = 0); filler: a one-token micro-batch for a rank with fewer micro-batches.
+    """
+
+    packed: PackedPolicy
+    train: torch.nn.Module
+    reference: torch.nn.Module | None
+    filler: Packed
+
+
+def wrap_modules(policy, reference, loss_config: LossConfig, config, runtime) -> Modules:
+    """The :class:`Modules` of ``policy`` and ``reference`` for this job (``distributed.wrap``)."""
+    packed = PackedPolicy(policy, loss_config, runtime, entropy=config.log_entropy)
+    train = distributed.wrap(packed, config.parallel, runtime)
+    reference_module = None
+    if reference is policy:
+        reference_module = packed
+    elif reference is not None:
+        frozen = PackedPolicy(reference, loss_config, runtime)
+        reference_module = distributed.wrap(frozen, config.parallel, runtime, trainable=False)
+    modules = Modules(packed, train, reference_module, filler(runtime.device))
+    for module in dict.fromkeys(m for m in (packed, reference_module) if m is not None):
+        if distributed.is_sharded(module):
+            # FSDP2 finds its root on the first forward: the root's, before any layer runs alone
+            # (generation calls the layers). The root keeps its whole weights after a forward;
+            # the optimizer needs the shards.
+            with torch.no_grad():
+                module(modules.filler)
+            module.reshard()
+    return modules

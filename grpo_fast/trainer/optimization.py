@@ -1,0 +1,67 @@
+"""AdamW with the run's learning-rate schedule, and one clipped optimizer step: the policy's and
+the PPO critic's alike."""
+
+import math
+import warnings
+
+import torch
+from transformers import get_scheduler
+
+# transformers' schedule behind each of the config's lr_schedule names (get_scheduler is imported
+# with this module, not lazily inside a measured window such as bench/memory.py's)
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def adamw(params, config, lr: float | None = None) -> torch.optim.AdamW:
+    """AdamW over ``params`` with the config's betas and weight decay, at ``lr`` (default:
+    ``config.learning_rate``)."""
+    return torch.optim.AdamW(
+        params,
+        lr=config.learning_rate if lr is None else lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        weight_decay=config.weight_decay,
+    )
+
+
+def lr_scheduler(optimizer, config):
+    """The run's learning-rate schedule, one step per optimizer step (num_iterations per
+    training step): linear warmup over warmup_steps training steps, then constant, or linear or
+    cosine decay towards 0 at the run's last step (transformers' ``get_scheduler``).
+
+    transformers' warmup runs its first step at learning rate 0; ours runs optimizer step s at
+    ``(s + 1) / (warmup + 1)`` of it, so the schedule is built one step longer and advanced
+    once here: optimizer step s runs at transformers' step s + 1. A checkpoint stores the
+    state at the optimizer-step count (:func:`schedule_state`).
+    """
+    mu = config.num_iterations
+    scheduler = get_scheduler(
+        SCHEDULES[config.lr_schedule],
+        optimizer,
+        num_warmup_steps=config.warmup_steps * mu + 1,
+        num_training_steps=config.steps * mu + 1,
+    )
+    with warnings.catch_warnings():  # the advance above, not a step taken before the optimizer's
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        scheduler.step()
+    return scheduler
+
+
+def schedule_state(scheduler) -> dict:
+    """The scheduler's state with ``last_epoch`` the optimizer steps taken (see :func:`lr_scheduler`)."""
+    state = scheduler.state_dict()
+    return dict(state, last_epoch=state["last_epoch"] - 1)
+
+
+def load_schedule_state(scheduler, state: dict) -> None:
+    scheduler.load_state_dict(dict(state, last_epoch=state["last_epoch"] + 1))
+
+
+def clipped_step(optimizer, scheduler, max_grad_norm: float | None) -> torch.Tensor:
+    """Clips the gradient norm of the optimizer's parameters (None: no clipping), steps the
+    optimizer and the schedule, clears the gradients. Returns the norm, a device tensor."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_grad_norm is None else max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
