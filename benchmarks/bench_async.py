@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_trainer import realistic_workload  # noqa: E402
 
 from grpo_fast.bench.measure import machine_info, quantiles  # noqa: E402
-from grpo_fast.trainer import GRPOConfig, GRPOTrainer, run_log  # noqa: E402
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer, run_log, step  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -62,8 +62,12 @@ def run_throughput(work, name: str, steps: int, seed: int) -> dict:
 
         return run
 
-    trainer.make_rollout = timed(trainer.make_rollout, "rollout_s")
-    trainer.packed_logprobs = timed(trainer.packed_logprobs, "reference_s")  # the reference pass only
+    # the rollout: the source's samples (a wait for the worker's), then the step's batch, which
+    # holds the reference pass (the rows the worker did not do)
+    trainer.source.next = timed(trainer.source.next, "rollout_s")
+    trainer.prepare = timed(trainer.prepare, "rollout_s")
+    reference_logprobs = step.reference_logprobs
+    step.reference_logprobs = timed(reference_logprobs, "reference_s")
     times, history = [], []
     try:
         last = time.perf_counter()
@@ -76,6 +80,7 @@ def run_throughput(work, name: str, steps: int, seed: int) -> dict:
             last = now
     finally:
         trainer.close()
+        step.reference_logprobs = reference_logprobs
         torch.set_num_threads(saved)
     keys = (
         "rollout_wait_s",
@@ -149,14 +154,14 @@ def demo(args) -> dict:
             start = time.perf_counter()
             trainer = GRPOTrainer(config)
             stamps = []
-            step = trainer.train_step
+            run_step = trainer.run_step
 
-            def stamped(step=step, stamps=stamps):
-                metrics = step()
+            def stamped(run_step=run_step, stamps=stamps):
+                result = run_step()
                 stamps.append(time.perf_counter() - start)
-                return metrics
+                return result
 
-            trainer.train_step = stamped
+            trainer.run_step = stamped
             history = trainer.train()
             first, last = run_log.tenth_means(history)
             curves[f"seed{seed}_k{staleness}"] = dict(

@@ -280,10 +280,10 @@ def run_ours(work: Workload, args, steps: int) -> dict:
     trainer = work.trainer(steps=steps, loss_type="grpo", generator=args.generator, seed=args.seed)
     os.makedirs(trainer.output_dir, exist_ok=True)
     layouts = []
-    sample = trainer.sample_groups
+    sample = trainer.source.next
 
-    def recorded():  # the batch layout: what a padded forward computes, what prefills cost
-        batch = sample()
+    def recorded(position, version):  # the batch layout: what a padded forward computes, what prefills cost
+        batch = sample(position, version)
         N, width = batch.input_ids.shape
         prompt_width = width - batch.completion_mask.shape[1]
         layouts.append(
@@ -296,7 +296,7 @@ def run_ours(work: Workload, args, steps: int) -> dict:
         )
         return batch
 
-    trainer.sample_groups = recorded
+    trainer.source.next = recorded
     times, cpu_times, tokens, lengths = [], [], [], []
     last, last_cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):  # the body of GRPOTrainer.train, less its progress bar

@@ -39,8 +39,9 @@ def worker(fused_linear: bool, steps: int) -> dict:
     spec.loader.exec_module(measure)
     work = realistic_workload(argparse.Namespace(seed=0))
     trainer = work.trainer(fused_linear=fused_linear)
-    batch = trainer.make_rollout()
-    trainer.make_rollout = lambda: batch
+    samples = trainer.source.next(trainer.data_position, trainer.version)
+    batch = trainer.prepare(samples)  # one batch, its reference log-probs and packing included, every step
+    trainer.source.next, trainer.prepare = (lambda position, version: samples), (lambda samples: batch)
     trainer.train_step()
     times = []
 

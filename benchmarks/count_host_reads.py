@@ -65,8 +65,9 @@ def main():
         output_dir=tempfile.mkdtemp(prefix="host-reads-"),
     )
     trainer = GRPOTrainer(config)
-    batch = trainer.make_rollout()
-    trainer.make_rollout = lambda: batch
+    samples = trainer.source.next(trainer.data_position, trainer.version)
+    batch = trainer.prepare(samples)  # one batch, its reference log-probs and packing included, every step
+    trainer.source.next, trainer.prepare = (lambda position, version: samples), (lambda samples: batch)
     trainer.train_step()
     with Sites() as reads:
         trainer.train_step()

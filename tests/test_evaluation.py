@@ -201,7 +201,7 @@ def test_completion_rows_spread_over_groups_and_average_per_token_advantages():
     """32 rows -> every 2nd row (16); a per-token advantage [N, C] (PPO's) is averaged over the
     completion's tokens; NaN rewards (not scored) become None."""
     from grpo_fast.outputs import GroupAdvantages
-    from grpo_fast.trainer.rollout import Rollout
+    from grpo_fast.trainer import Samples, StepBatch
     from grpo_fast.trainer.run_log import completion_rows
 
     N, C = 32, 3
@@ -209,7 +209,7 @@ def test_completion_rows_spread_over_groups_and_average_per_token_advantages():
     per_token = torch.arange(N * C, dtype=torch.float32).view(N, C)
     rewards = torch.rand(N, 1)
     rewards[2] = float("nan")
-    batch = Rollout(
+    samples = Samples(
         prompts=[f"p{i}" for i in range(N)],
         completions=[f"c{i}" for i in range(N)],
         columns={},
@@ -217,7 +217,16 @@ def test_completion_rows_spread_over_groups_and_average_per_token_advantages():
         attention_mask=torch.ones(N, 5, dtype=torch.long),
         completion_mask=mask,
         rewards=rewards,
-        advantages=GroupAdvantages(per_token, rewards[:, 0], None, None, None),
+    )
+    batch = StepBatch(
+        samples=samples,
+        micro_batches=[],
+        completion_mask=mask,
+        scores=torch.empty(0, 3),
+        stats=GroupAdvantages(per_token, rewards[:, 0], None, None, None),
+        advantages=per_token,
+        ref_logprobs=None,
+        num_items=mask.sum(),
     )
     rows = completion_rows(batch, 7, ["r"])
     assert [r["prompt"] for r in rows] == [f"p{i}" for i in range(0, N, 2)]

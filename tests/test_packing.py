@@ -7,18 +7,18 @@ copy and with a LoRA policy (reference = adapters off), the packed step's loss, 
 gradients equal it to rounding.
 """
 
-import dataclasses
-
 import pytest
 import torch
+from _steps import backward, next_batch, off_policy
 from conftest import completion_logits, completion_logprobs, max_err, rel_err
 
 from grpo_fast import grpo_loss
 from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
-from grpo_fast.trainer.packing import flash_attention_available, micro_batches, pack, packed_logits, to_grid
+from grpo_fast.trainer.packing import micro_batches, pack, packed_logits, to_grid
 from grpo_fast.trainer.rollout import reference_context
+from grpo_fast.trainer.runtime import Runtime
 
 CASES = [dict(loss_type=name) for name in LOSS_TYPES] + [dict(loss_type="grpo", importance_sampling="sequence")]
 
@@ -42,23 +42,24 @@ def float64_trainer(tmp_path, **overrides) -> GRPOTrainer:
         progress=False,
         output_dir=str(tmp_path),
         generator="sampler",
+        num_iterations=2,  # the old log-probs are the first pass's: the proximal policy's
         **overrides,
     )
     return GRPOTrainer(config, model=model, tokenizer=tokenizer)
 
 
-def padded_step(trainer, batch, num_items):
+def padded_step(trainer, batch, proximal):
     """The padded truth: loss output and parameter gradients of one full-batch backward."""
-    C = batch.completion_mask.shape[1]
-    logits = completion_logits(trainer.policy, batch.input_ids, batch.attention_mask, C)
+    C, samples = batch.completion_mask.shape[1], batch.samples
+    logits = completion_logits(trainer.policy, samples.input_ids, samples.attention_mask, C)
     out = grpo_loss(
         logits,
-        batch.input_ids[:, -C:],
-        batch.advantages.advantages,
+        samples.input_ids[:, -C:],
+        batch.advantages,
         batch.completion_mask,
-        batch.old_logprobs,
+        proximal.logprobs,
         batch.ref_logprobs,
-        num_items_in_batch=num_items,
+        num_items_in_batch=batch.num_items,
         return_entropy=True,
         loss_config=trainer.loss_config,
     )
@@ -72,33 +73,27 @@ def gradients(trainer) -> torch.Tensor:
     return grads
 
 
-def off_policy_batch(trainer):
-    """A rollout with advantages, reference log-probs (packed, checked against padded ones) and
-    old log-probs 0.3-normal noise away from the policy's, so that ratios clip."""
-    batch = trainer.compute_advantages(trainer.make_rollout())
-    C = batch.completion_mask.shape[1]
+def off_policy_batch(trainer) -> tuple:
+    """``(batch, proximal)``: the next step batch, its reference log-probs (packed) checked
+    against padded ones, random advantages (a signal, whatever was sampled), and a first
+    pass's view whose log-probs are 0.3-normal noise away from the policy's, so that ratios clip."""
+    batch = next_batch(trainer)
+    C, samples = batch.completion_mask.shape[1], batch.samples
     m = batch.completion_mask.bool()
     with reference_context(trainer.policy, trainer.reference):
-        ref = completion_logprobs(trainer.reference, batch.input_ids, batch.attention_mask, C)
+        ref = completion_logprobs(trainer.reference, samples.input_ids, samples.attention_mask, C)
     assert batch.ref_logprobs.dtype == torch.float64 and rel_err(batch.ref_logprobs[m], ref[m]) < 1e-12
-    old = completion_logprobs(trainer.policy, batch.input_ids, batch.attention_mask, C)
-    noise = 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=old.dtype)
-    advantages = torch.randn(batch.completion_mask.shape[0], generator=torch.Generator().manual_seed(1))
-    return dataclasses.replace(
-        batch,
-        old_logprobs=(old + noise) * batch.completion_mask,
-        advantages=batch.advantages._replace(advantages=advantages),
-    )
+    batch.advantages = torch.randn(batch.completion_mask.shape[0], generator=torch.Generator().manual_seed(1))
+    return batch, off_policy(trainer, batch)
 
 
 def assert_packed_equals_padded(trainer):
-    batch = off_policy_batch(trainer)
-    num_items = batch.completion_mask.sum()
+    batch, proximal = off_policy_batch(trainer)
     lengths = batch.completion_mask.sum(1)
-    assert lengths.min() < lengths.max() and len(trainer.micro_batches(batch)) > 2
-    sums = trainer.accumulate_gradients(batch, num_items)
+    assert lengths.min() < lengths.max() and len(batch.micro_batches) > 2
+    sums, _ = backward(trainer, batch, proximal)
     packed_grads = gradients(trainer)
-    out, padded_grads = padded_step(trainer, batch, num_items)
+    out, padded_grads = padded_step(trainer, batch, proximal)
     assert padded_grads.norm() > 0
     assert rel_err(packed_grads, padded_grads) < 1e-10 and max_err(packed_grads, padded_grads) < 1e-10
     assert sums["loss"] == pytest.approx(out.loss.item(), rel=1e-10, abs=1e-12)
@@ -188,9 +183,11 @@ def test_flash_attention_only_on_cuda_in_bf16_with_flash_attn(monkeypatch):
     where it can run: CUDA, bf16 autocast, flash-attn installed."""
     import transformers.utils
 
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    def runtime(device, bf16):  # no process group: a device and a precision are all it holds here
+        return Runtime(torch.device(device), ranks=object(), bf16=bf16)
+
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
-    assert flash_attention_available(cuda, True)
-    assert not flash_attention_available(cuda, False) and not flash_attention_available(cpu, True)
+    assert runtime("cuda", True).flash_attention()
+    assert not runtime("cuda", False).flash_attention() and not runtime("cpu", True).flash_attention()
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
-    assert not flash_attention_available(cuda, True)
+    assert not runtime("cuda", True).flash_attention()

@@ -7,6 +7,7 @@ import inspect
 
 import pytest
 import torch
+from _steps import next_batch, repacked
 from conftest import BACKENDS, batch_args, make_case, max_err, rel_err, trl_sampling_correction
 
 import grpo_fast
@@ -172,14 +173,13 @@ def test_toy_loss_type_reaches_the_trainers_micro_batch_weights(toy_loss_type, t
         output_dir=str(tmp_path),
     )
     trainer = GRPOTrainer(config, model=build_model(tokenizer), tokenizer=tokenizer)
-    batch = trainer.compute_advantages(trainer.make_rollout())
-    batch.advantages = batch.advantages._replace(advantages=torch.randn(12))  # a signal, whatever was sampled
-    num_items = batch.completion_mask.sum()
+    batch = next_batch(trainer)
+    batch.advantages = torch.randn(12)  # a signal, whatever was sampled
     assert len(set(batch.completion_mask.sum(1).tolist())) > 1  # rows of different lengths
     grads = []
     for micro in (None, 3):
         trainer.config.micro_batch_size = micro
-        trainer.accumulate_gradients(batch, num_items)
+        trainer.accumulate_gradients(repacked(trainer, batch), None)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
         trainer.optimizer.zero_grad(set_to_none=True)
     assert grads[0].norm() > 0 and rel_err(grads[1], grads[0]) < 1e-5 and max_err(grads[1], grads[0]) < 1e-5

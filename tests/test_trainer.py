@@ -5,7 +5,6 @@ takes tens of milliseconds; the full default demo run is in tests/test_cli.py.
 """
 
 import copy
-import dataclasses
 import json
 import math
 import os
@@ -13,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from _steps import backward, next_batch, off_policy, repacked
 from conftest import completion_logits, completion_logprobs, max_err, rel_err
 
 import grpo_fast
@@ -22,8 +22,9 @@ from grpo_fast.tasks.arithmetic import arithmetic_reward, build_model, build_tok
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer, RewardError
 from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer.config import LR_SCHEDULES
+from grpo_fast.trainer.generators import Generation, Generator
 from grpo_fast.trainer.generators.hf import HFGenerator
-from grpo_fast.trainer.grpo import load_schedule_state, lr_scheduler, schedule_state
+from grpo_fast.trainer.optimization import load_schedule_state, lr_scheduler, schedule_state
 from grpo_fast.trainer.rollout import score
 from grpo_fast.trainer.run_log import METRIC_KEYS, TIMING_KEYS, read_metrics
 
@@ -103,32 +104,25 @@ def test_score_none_is_nan_and_extra_columns_reach_the_function():
 # ---------------------------------------------------------------- the update
 
 
-def off_policy(trainer, batch):
-    """``batch`` with old log-probs 0.3-normal noise away from the policy's, so that ratios
-    leave the trust region and clip."""
-    C = batch.completion_mask.shape[1]
-    old = completion_logprobs(trainer.policy, batch.input_ids, batch.attention_mask, C)
-    noise = 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=old.dtype)
-    return dataclasses.replace(batch, old_logprobs=old + noise)
-
-
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batches_give_the_full_batch_gradient(tmp_path, loss_type):
     """Gradient accumulation over packed micro-batches cut by rows (3, uneven) or by a token
     budget equals one full-batch backward, for every loss type of the spec."""
     eps_high = 5.0 if loss_type == "cispo" else None
-    trainer = GRPOTrainer(small_config(tmp_path, loss_type=loss_type, beta=0.1, eps_high=eps_high))
-    batch = off_policy(trainer, trainer.compute_advantages(trainer.make_rollout()))
+    config = small_config(tmp_path, loss_type=loss_type, beta=0.1, eps_high=eps_high, num_iterations=2)
+    trainer = GRPOTrainer(config)
+    batch = next_batch(trainer)
+    proximal = off_policy(trainer, batch)
     assert batch.ref_logprobs is not None
-    num_items = batch.completion_mask.sum()
     grads = []
     for rows, budget in ((None, None), (3, None), (None, 24)):
         trainer.config.micro_batch_size, trainer.config.max_tokens_per_micro_batch = rows, budget
-        metrics = trainer.accumulate_gradients(batch, num_items)
+        batch = repacked(trainer, batch)
+        metrics, _ = backward(trainer, batch, proximal)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
         trainer.optimizer.zero_grad(set_to_none=True)
         assert all(metrics[k] is not None for k in ("loss", "kl", "entropy"))
-    assert len(trainer.micro_batches(batch)) > 3  # the budget did cut (16 rows of 5 to 11 tokens)
+    assert len(batch.micro_batches) > 3  # the budget did cut (16 rows of 5 to 11 tokens)
     assert grads[0].norm() > 0
     assert (
         rel_err(grads[1], grads[0]) < 1e-5
@@ -140,25 +134,31 @@ def test_micro_batches_give_the_full_batch_gradient(tmp_path, loss_type):
 
 def test_fused_linear_loss_gives_the_logits_path_gradient(tmp_path):
     """fused_linear=True (loss from hidden states and the LM head) against the logits path."""
-    trainer = GRPOTrainer(small_config(tmp_path, beta=0.1, micro_batch_size=6))
-    batch = off_policy(trainer, trainer.compute_advantages(trainer.make_rollout()))
-    num_items = batch.completion_mask.sum()
+    trainer = GRPOTrainer(small_config(tmp_path, beta=0.1, micro_batch_size=6, num_iterations=2))
+    batch = next_batch(trainer)
+    proximal = off_policy(trainer, batch)
     grads, metrics, logprobs = [], [], []
     for fused in (False, True):
         trainer.config.fused_linear = fused
-        logprobs.append([])
-        metrics.append(trainer.accumulate_gradients(batch, num_items, logprobs[-1]))
+        # the first pass (its log-probs recorded) with the clip's old log-probs of the later ones
+        first = trainer.accumulate_gradients(batch, None).logprobs
+        trainer.optimizer.zero_grad(set_to_none=True)
+        metrics.append(backward(trainer, batch, proximal)[0])
+        logprobs.append(first)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
         trainer.optimizer.zero_grad(set_to_none=True)
     assert grads[0].norm() > 0
     assert rel_err(grads[1], grads[0]) < 1e-5 and max_err(grads[1], grads[0]) < 1e-5
     for key in ("loss", "kl", "entropy", "clip_ratio_region"):
         assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-5, abs=1e-7), key
-    # The pass's log-probs (the old policy's when num_iterations > 1) are the policy's own.
-    m = batch.completion_mask.bool()
-    truth = completion_logprobs(trainer.policy, batch.input_ids, batch.attention_mask, batch.completion_mask.shape[1])
-    assert rel_err(torch.cat(logprobs[0])[m], truth[m]) < 1e-5
-    assert rel_err(torch.cat(logprobs[1])[m], truth[m]) < 1e-5
+    assert metrics[0]["clip_ratio_region"] > 0  # the old log-probs were off-policy enough to clip
+    # The first pass's log-probs (the old policy's when num_iterations > 1) are the policy's own.
+    m, samples = batch.completion_mask.bool(), batch.samples
+    truth = completion_logprobs(
+        trainer.policy, samples.input_ids, samples.attention_mask, batch.completion_mask.shape[1]
+    )
+    assert rel_err(logprobs[0][m], truth[m]) < 1e-5
+    assert rel_err(logprobs[1][m], truth[m]) < 1e-5
 
 
 def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
@@ -167,13 +167,14 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
     for lora_r in (0, 4):
         grads = []
         for checkpointing in (False, True):
-            config = small_config(tmp_path, beta=0.1, max_tokens_per_micro_batch=24, lora_r=lora_r)
+            config = small_config(tmp_path, beta=0.1, max_tokens_per_micro_batch=24, lora_r=lora_r, num_iterations=2)
             config.gradient_checkpointing = checkpointing
             tokenizer = build_tokenizer()
             trainer = GRPOTrainer(config, model=build_model(tokenizer, seed=2), tokenizer=tokenizer)
             if not grads:
-                batch = off_policy(trainer, trainer.compute_advantages(trainer.make_rollout()))
-            trainer.accumulate_gradients(batch, batch.completion_mask.sum())
+                batch = next_batch(trainer)
+                proximal = off_policy(trainer, batch)
+            trainer.accumulate_gradients(batch, proximal)
             grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters() if p.requires_grad]))
         assert grads[0].norm() > 0 and rel_err(grads[1], grads[0]) < 1e-6 and max_err(grads[1], grads[0]) < 1e-6, lora_r
 
@@ -191,10 +192,10 @@ def test_reference_is_none_copy_or_lora_without_adapters(tmp_path):
     assert lora.reference is lora.policy  # no second copy of the weights
     for _ in range(2):  # after an update the adapters are non-zero, so policy != reference
         lora.train_step()
-    batch = lora.make_rollout()
-    C = batch.completion_mask.shape[1]
-    truth = completion_logprobs(frozen, batch.input_ids, batch.attention_mask, C)
-    policy = completion_logprobs(lora.policy, batch.input_ids, batch.attention_mask, C)
+    batch = next_batch(lora)
+    C, samples = batch.completion_mask.shape[1], batch.samples
+    truth = completion_logprobs(frozen, samples.input_ids, samples.attention_mask, C)
+    policy = completion_logprobs(lora.policy, samples.input_ids, samples.attention_mask, C)
     m = batch.completion_mask.bool()
     assert rel_err(batch.ref_logprobs[m], truth[m]) < 1e-5
     assert rel_err(policy[m], truth[m]) > 1e-4
@@ -285,8 +286,8 @@ def test_a_rank_the_checkpoint_lacks_keeps_its_own_random_state(tmp_path):
     for rank in (0, 1):
         torch.manual_seed(1234 + rank)
         before = torch.get_rng_state()
-        trainer.ranks.rank = rank
-        ckpt.load_checkpoint(path, trainer.policy, trainer.optimizer, trainer.ranks)
+        trainer.runtime.ranks.rank = rank
+        ckpt.load_checkpoint(path, trainer.policy, trainer.optimizer, trainer.runtime.ranks)
         assert torch.equal(torch.get_rng_state(), stored if rank == 0 else before), rank
     assert not torch.equal(stored, before)
 
@@ -340,8 +341,8 @@ def test_dataset_rows_and_reward_columns(tmp_path):
         small_config(tmp_path, dataset=str(path), prompt_column="question", reward_funcs=["arithmetic"], steps=1)
     )
     assert sorted(row["prompt"] for row in trainer.rows) == ["0+0=", "1+1=", "2+2=", "3+3="]
-    batch = trainer.make_rollout()
-    assert batch.columns["answer"] == [str(2 * int(p[0])) for p in batch.prompts]
+    samples = trainer.source.next(trainer.data_position, trainer.version)
+    assert samples.columns["answer"] == [str(2 * int(p[0])) for p in samples.prompts]
 
 
 # ---------------------------------------------------------------- bad input
@@ -426,15 +427,17 @@ def test_trainer_leaves_its_callers_state_alone(tmp_path):
     assert os.path.isfile(trainer.plot_path)
 
 
-class ScriptedEngine:
+class ScriptedEngine(Generator):
     """A generation engine for the test below: answers every prompt with its sample index."""
 
-    def __init__(self, model, tokenizer, config, *, bf16=False):
-        self.tokenizer, self.calls = tokenizer, []
+    def __init__(self, model, tokenizer, config, runtime=None):
+        super().__init__(model, tokenizer, config, runtime)
+        self.calls, self.published = [], []
+
+    def publish(self, version):
+        self.published.append(version)
 
     def generate(self, prompts, group_size, keys):
-        from grpo_fast.trainer.generators import Generation
-
         self.calls.append(list(keys))
         texts = [str(i) for _ in prompts for i in range(group_size)]
         enc = self.tokenizer(
@@ -451,16 +454,17 @@ class ScriptedEngine:
 
 
 def test_a_generation_engine_is_one_registry_row(tmp_path, monkeypatch):
-    """An engine registered in generators.ENGINES is built and used by the trainer, and gets
-    each prompt's data position as its key."""
+    """An engine registered in generators.ENGINES is built and used by the trainer, gets each
+    prompt's data position as its key, and hears of every optimizer step's weights."""
     from grpo_fast.trainer import generators
 
     monkeypatch.setitem(generators.ENGINES, "scripted", f"{__name__}:ScriptedEngine")
-    trainer = GRPOTrainer(small_config(tmp_path, generator="scripted"))
-    batch = trainer.compute_advantages(trainer.make_rollout())
-    assert isinstance(trainer.generator, ScriptedEngine) and trainer.generator.calls == [[0, 1, 2, 3]]
-    assert batch.completions[:4] == ["0", "1", "2", "3"]
-    assert trainer.train_step()["step"] == 1 and trainer.generator.calls[-1] == [4, 5, 6, 7]
+    trainer = GRPOTrainer(small_config(tmp_path, generator="scripted", num_iterations=2))
+    engine = trainer.source.engine
+    metrics, batch = trainer.run_step()
+    assert isinstance(engine, ScriptedEngine) and engine.calls == [[0, 1, 2, 3]] and engine.published == [1, 2]
+    assert batch.samples.completions[:4] == ["0", "1", "2", "3"] and metrics["step"] == 1
+    assert trainer.train_step()["step"] == 2 and engine.calls[-1] == [4, 5, 6, 7] and engine.published[-1] == 4
 
 
 def test_dynamic_sampling_keeps_only_groups_with_a_signal(tmp_path, monkeypatch):
@@ -472,13 +476,13 @@ def test_dynamic_sampling_keeps_only_groups_with_a_signal(tmp_path, monkeypatch)
 
     config = small_config(tmp_path, dynamic_sampling=True, max_sampling_rounds=4, generator="sampler", beta=0.1)
     trainer = GRPOTrainer(config, reward_funcs=[odd_only_reward])
-    seen, loss = [], trainer._loss
+    seen, accumulate = [], trainer.accumulate_gradients
 
-    def spy(batch, packed, *args, **kwargs):
-        seen.extend(batch.prompts[packed.rows])
-        return loss(batch, packed, *args, **kwargs)
+    def spy(batch, proximal):
+        seen.extend(p for packed in batch.micro_batches for p in batch.samples.prompts[packed.rows])
+        return accumulate(batch, proximal)
 
-    monkeypatch.setattr(trainer, "_loss", spy)
+    monkeypatch.setattr(trainer, "accumulate_gradients", spy)
     metrics = trainer.train_step()
     assert metrics["groups_dropped"] >= 1 and metrics["sampling_rounds"] >= 2
     assert trainer.data_position == 4 * metrics["sampling_rounds"]  # 4 new prompts a round
@@ -509,10 +513,12 @@ def test_the_update_reads_the_device_once_per_step(tmp_path, fused_linear):
 
     config = small_config(tmp_path, beta=0.1, num_iterations=2, micro_batch_size=5, fused_linear=fused_linear)
     trainer = GRPOTrainer(config)
-    batch = trainer.make_rollout()
-    trainer.make_rollout = lambda: batch
+    batch = next_batch(trainer)
+    # the step's samples and batch as they came (sampling reads every decode step, packing the row lengths)
+    trainer.source.next = lambda position, version: batch.samples
+    trainer.prepare = lambda samples: batch
     trainer.train_step()  # first step: lazy initialisation (optimizer state)
     with HostReads() as reads:
         metrics = trainer.train_step()
-    assert len(trainer.micro_batches(batch)) > 2 and metrics["entropy"] is not None
+    assert len(batch.micro_batches) > 2 and metrics["entropy"] is not None
     assert reads.count == 1, reads.calls

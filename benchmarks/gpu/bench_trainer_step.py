@@ -57,20 +57,26 @@ def time_variant(fused_linear: bool, model_sizes: dict, run: dict, steps: int, d
     )
     trainer = GRPOTrainer(config, model=model, tokenizer=tokenizer)
     rollout_times = []
-    make_rollout = trainer.make_rollout
 
-    def timed_rollout():
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        batch = make_rollout()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        rollout_times.append(time.perf_counter() - start)
-        return batch
+    def timed(stage):  # the rollout: the source's samples, then the step's batch (the reference pass)
+        def run(*args):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = stage(*args)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            rollout_times[-1] += time.perf_counter() - start
+            return out
 
-    trainer.make_rollout = timed_rollout
-    history = [trainer.train_step() for _ in range(steps + 1)][1:]  # the first step warms up
+        return run
+
+    trainer.source.next, trainer.prepare = timed(trainer.source.next), timed(trainer.prepare)
+    history = []
+    for _ in range(steps + 1):
+        rollout_times.append(0.0)
+        history.append(trainer.train_step())
+    history = history[1:]  # the first step warms up
     step_s = statistics.median(m["step_time_s"] for m in history)
     rollout_s = statistics.median(rollout_times[1:])
     return {

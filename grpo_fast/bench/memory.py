@@ -146,22 +146,20 @@ def _synthetic_batch(N: int, P: int, C: int, V: int, device):
     )
 
 
-def _fixed_rollout_trainer(base):
-    """``base`` (GRPOTrainer or PPOTrainer) whose samples are this rank's rows of
-    ``self.fixed_batch`` instead of sampled ones: the rest of the rollout (reference log-probs)
-    and the step run as usual."""
-    from grpo_fast.trainer.rollout import Rollout
+def _fixed_source(batch: dict, ranks):
+    """A rollout source whose samples are this rank's rows of ``batch`` (tensors [N, ...]),
+    every step, instead of sampled ones: the rest of the step (reference log-probs) runs as usual."""
+    from grpo_fast.trainer.rollout import Samples
+    from grpo_fast.trainer.sources import RolloutSource
 
-    class FixedRolloutTrainer(base):
-        fixed_batch: dict
-
-        def sample_groups(self) -> Rollout:
-            rows = self.ranks.share(self.fixed_batch["input_ids"].shape[0])
-            batch = {name: tensor[rows] for name, tensor in self.fixed_batch.items()}
+    class FixedSamples(RolloutSource):
+        def next(self, position: int, version: int) -> Samples:
+            rows = ranks.share(batch["input_ids"].shape[0])
             n = rows.stop - rows.start
-            return Rollout(prompts=[""] * n, completions=[""] * n, columns={}, **batch)
+            mine = {name: tensor[rows] for name, tensor in batch.items()}
+            return Samples(prompts=[""] * n, completions=[""] * n, columns={}, **mine, data_end=position)
 
-    return FixedRolloutTrainer
+    return FixedSamples()
 
 
 def _build_policy(spec: dict):
@@ -216,10 +214,9 @@ def worker(spec: dict) -> dict:
         progress=False,
     )
     config_cls, trainer_cls = (PPOConfig, PPOTrainer) if name == "ppo" else (GRPOConfig, GRPOTrainer)
-    trainer = _fixed_rollout_trainer(trainer_cls)(
-        config_cls(**options), model=policy, tokenizer=_TOKENIZER_NOT_USED, rows=[{"prompt": ""}]
-    )
-    trainer.fixed_batch = _synthetic_batch(N, P, C, V, device)
+    trainer = trainer_cls(config_cls(**options), model=policy, tokenizer=_TOKENIZER_NOT_USED, rows=[{"prompt": ""}])
+    ranks = trainer.runtime.ranks
+    trainer.source = _fixed_source(_synthetic_batch(N, P, C, V, device), ranks)
 
     peaks = []
     for _ in range(2):  # the first step creates the optimizer's moments; the second holds them in its backward
@@ -238,8 +235,8 @@ def worker(spec: dict) -> dict:
     if trainer.reference is not None and trainer.reference is not trainer.policy:
         held += list(trainer.reference.parameters())
     optimizer_states = [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
-    micro = min(spec["micro_batch"] or N, N // trainer.ranks.world_size)  # rows per forward on this rank
-    logits_dtype = torch.bfloat16 if trainer.bf16 else torch.float32
+    micro = min(spec["micro_batch"] or N, N // ranks.world_size)  # rows per forward on this rank
+    logits_dtype = torch.float32 if trainer.runtime.half_weights is None else trainer.runtime.half_weights
     logits = 0 if name == "grpo_fused_linear" else micro * (C + 1) * V * logits_dtype.itemsize
     states = dict(
         params_bytes=_state_bytes({id(p): p for p in held}.values()),  # tied weights once
@@ -258,14 +255,14 @@ def worker(spec: dict) -> dict:
         num_params=sum(p.numel() for p in {id(p): p for p in trainer.policy.parameters()}.values()),
         device=device.type,
     )
-    if not trainer.ranks.active:
+    if not ranks.active:
         return result
     import torch.distributed as dist
 
-    ranks = [None] * trainer.ranks.world_size
-    dist.all_gather_object(ranks, result)
-    if trainer.ranks.is_main:
-        print(json.dumps(dict(ranks[0], peak_bytes=max(r["peak_bytes"] for r in ranks), ranks=ranks)), flush=True)
+    results = [None] * ranks.world_size
+    dist.all_gather_object(results, result)
+    if ranks.is_main:
+        print(json.dumps(dict(results[0], peak_bytes=max(r["peak_bytes"] for r in results), ranks=results)), flush=True)
     # Freeing the DDP reducer's gloo group after the last collective can deadlock in torch
     # (its destructor joins a gloo thread that waits for the GIL to free the all-gather's
     # tensors; seen in 1 of 2 runs here): the numbers are out, so leave without the teardown.

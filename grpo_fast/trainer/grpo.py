@@ -15,8 +15,9 @@ models it trains are built by ``model.py``; the data order is ``data.py``. The P
 
 Choices: the loss's options are one :class:`grpo_fast.LossConfig` built once from the config;
 its temperature is the sampling temperature (the log-probs are those of the distribution that
-sampled). On CUDA the forward passes run under bf16 autocast while weights and optimizer state
-stay float32 (the run's :class:`~grpo_fast.trainer.runtime.Runtime`).
+sampled). The forwards run at the precision of the run's
+:class:`~grpo_fast.trainer.runtime.Runtime` (16-bit autocast on CUDA by default) while weights
+and optimizer state stay float32.
 
 Many devices (``distributed.py``; ``torchrun ... -m grpo_fast train``): each rank samples
 and scores its contiguous share of every step's prompts, whole groups, from the one seeded
@@ -144,7 +145,7 @@ class GRPOTrainer:
             )
         engine = make_generator(config.generator, self.policy, self.tokenizer, config, self.runtime)
         return InProcessRollouts(
-            engine, self.data, self.reward_funcs, config, self.runtime, self.modules.packed, self.tokenizer.pad_token_id
+            engine, self.data, self.reward_funcs, config, self.runtime, self.modules.packed, self.tokenizer
         )
 
     @property
@@ -192,21 +193,25 @@ class GRPOTrainer:
         return StepResult(metrics, batch)
 
     def prepare(self, samples: Samples) -> StepBatch:
-        """The step's batch, built once: the samples' micro-batches packed (the token budget),
-        the reference's log-probs (beta != 0), the group advantages from every rank's rewards."""
+        """The step's batch, built once (see :meth:`batch_fields`)."""
+        return StepBatch(**self.batch_fields(samples))
+
+    def batch_fields(self, samples: Samples) -> dict:
+        """The fields of the step's :class:`StepBatch`: the samples' micro-batches packed (the
+        token budget), the reference's log-probs (beta != 0), the group advantages from every
+        rank's rewards (a subclass's ``prepare`` may change them before it builds its batch)."""
         config, ranks, modules = self.config, self.runtime.ranks, self.modules
         C = samples.completion_mask.shape[1]
         micro = pack_micro_batches(
             samples.input_ids, samples.attention_mask, C, config.max_tokens_per_micro_batch, config.micro_batch_size
         )
-        rows = ranks.sum(samples.input_ids.shape[0])
         ref = None
-        if modules.reference is not None and rows:
+        if modules.reference is not None and ranks.sum(samples.input_ids.shape[0]):
             ref = step.reference_logprobs(
                 modules.reference, self.policy, self.reference, samples, micro, ranks, modules.filler
             )
         scores, stats = step.scores_and_advantages(samples, config, ranks, self.runtime.device)
-        return StepBatch(
+        return dict(
             samples=samples,
             micro_batches=micro,
             completion_mask=samples.completion_mask,

@@ -24,12 +24,16 @@ def run(trainer) -> list:
             yaml.safe_dump(config.to_dict(), f, sort_keys=False)
         tracker = trackers.open_trackers(config.report_to, trainer.output_dir, config.to_dict())
     start = time.perf_counter()
-    bar = tqdm(total=config.steps, initial=trainer.step, disable=not (config.progress and main), desc="grpo", unit="step")
+    bar = tqdm(
+        total=config.steps, initial=trainer.step, disable=not (config.progress and main), desc="grpo", unit="step"
+    )
     try:
         while trainer.step < config.steps:
             metrics, batch = trainer.run_step()
             step = trainer.step
-            if trainer.evaluator is not None and (step == config.steps or run_log.due(step, config.eval_every, config.steps)):
+            if trainer.evaluator is not None and (
+                step == config.steps or run_log.due(step, config.eval_every, config.steps)
+            ):
                 metrics.update(trainer.evaluate())
             trainer.history.append(metrics)
             if main:

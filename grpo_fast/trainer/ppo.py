@@ -29,7 +29,6 @@ torchrun).
 """
 
 import copy
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -193,19 +192,17 @@ class PPOTrainer(GRPOTrainer):
         """GRPO's batch with GAE advantages [N, C] from the critic's values (the group
         statistics are kept for logging). Unscored completions leave both losses (their mask
         is zeroed, and so are they in the token count)."""
-        config = self.config
-        batch = super().prepare(samples)
-        if batch.stats is None:
-            return batch
-        scores = batch.stats.rewards  # [N], the weighted reward sum, NaN where unscored
-        mask = batch.completion_mask * (~scores.isnan()).unsqueeze(1)  # [N, C]
+        config, fields = self.config, self.batch_fields(samples)
+        if fields["stats"] is None:  # no rows on any rank: no update
+            return StepBatch(**fields)
+        scores = fields["stats"].rewards  # [N], the weighted reward sum, NaN where unscored
+        mask = samples.completion_mask * (~scores.isnan()).unsqueeze(1)  # [N, C]
         old_values = self.rollout_values(samples)  # [N, C]
         advantages, returns = gae(
             terminal_rewards(scores.nan_to_num(0.0), mask), old_values, mask, config.gamma, config.lam
         )
         if config.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
-        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
         fields.update(completion_mask=mask, advantages=advantages, num_items=self.runtime.ranks.sum(mask.sum()))
         return PPOBatch(**fields, old_values=old_values, returns=returns)
 

@@ -36,6 +36,8 @@ TIMING_KEYS = (
     "worker_rollout_s",
     "worker_weight_wait_s",
     "weight_copy_s",
+    # the share of the reference pass the worker had time for before the trainer asked
+    "worker_reference_share",
 )
 
 

@@ -57,12 +57,12 @@ class InProcessRollouts(RolloutSource):
         runtime: the run's runtime (its ranks).
         policy_module: the module an FSDP2 policy is gathered from for an engine that runs
             the policy itself.
-        pad_token_id: the tokenizer's pad token (rounds are re-padded to one width).
+        tokenizer: its pad token re-pads rounds to one width.
     """
 
-    def __init__(self, engine, data, reward_funcs: list, config, runtime, policy_module, pad_token_id: int):
+    def __init__(self, engine, data, reward_funcs: list, config, runtime, policy_module, tokenizer):
         self.engine, self.data, self.reward_funcs, self.config = engine, data, reward_funcs, config
-        self.ranks, self.policy_module, self.pad_token_id = runtime.ranks, policy_module, pad_token_id
+        self.ranks, self.policy_module, self.tokenizer = runtime.ranks, policy_module, tokenizer
 
     def next(self, position: int, version: int) -> Samples:
         config, G, wanted = self.config, self.config.group_size, self.config.prompts_per_step
@@ -85,7 +85,7 @@ class InProcessRollouts(RolloutSource):
             else:
                 kept = wanted
             parts.append(part)
-        samples = concat_samples(parts, self.pad_token_id)
+        samples = concat_samples(parts, self.tokenizer.pad_token_id)
         samples.data_end, samples.sampling_rounds, samples.dropped_groups = position, rounds, dropped
         return samples
 

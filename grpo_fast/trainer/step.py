@@ -98,9 +98,7 @@ class Proximal:
             return cls(first.logprobs, None, {})
         sequence_level = SAMPLING_CORRECTIONS[correction["mode"]][0] == "sequence"
         behaviour = batch.samples.sampling_logprobs
-        metrics = sampling_metrics(
-            first.logprobs, behaviour, batch.completion_mask, first.ratio, sequence_level, ranks
-        )
+        metrics = sampling_metrics(first.logprobs, behaviour, batch.completion_mask, first.ratio, sequence_level, ranks)
         return cls(first.logprobs, first.weights, metrics)
 
 
@@ -196,7 +194,9 @@ def accumulate(modules, policy, batch: StepBatch, proximal: Proximal | None, con
                 packed,
                 loss_inputs(batch, packed, proximal, config.num_iterations, num_items),
                 fused_linear=config.fused_linear,
-                behaviour=Behaviour(batch.samples.sampling_logprobs[rows], mask[rows], correction) if behaviour else None,
+                behaviour=Behaviour(batch.samples.sampling_logprobs[rows], mask[rows], correction)
+                if behaviour
+                else None,
             )
             (out.loss.loss * (weight * ranks.world_size)).backward()
         if record:
