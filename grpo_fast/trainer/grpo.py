@@ -165,28 +165,31 @@ class GRPOTrainer:
         if self.runtime.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.runtime.device)
         start = time.perf_counter()
+        # 1. samples: G completions per prompt and their rewards, from the rollout source
         samples = self.source.next(self.data_position, self.version)
         self.data_position = samples.data_end
+        # 2. the step's batch, built once: advantages, reference log-probs, micro-batches
         batch = self.prepare(samples)
+        # 3. the passes: backward over the micro-batches, optimizer step, the new weights to
+        #    the source. The first runs at the weights the step starts with: its log-probs are
+        #    the proximal policy's, which the later passes and the sampling correction read.
         passes, proximal = [], None
         for _ in range(self.config.num_iterations if batch.stats is not None else 0):
-            # The first pass runs at the weights the step starts with: its log-probs are the
-            # proximal policy's, which the later passes and the sampling correction read.
             result = self.accumulate_gradients(batch, proximal)
             proximal = proximal or Proximal.of(result, batch, self.config.correction_options(), self.runtime.ranks)
             passes.append(dict(result.metrics, **self.optimizer_step()))
             self.source.publish(self.policy, self.version + len(passes))
         self.step += 1
-        extra = dict(self.source.metrics(), **self.extra_metrics(batch))
+        # 4. the log line: everything the device holds, read once
         metrics = log_line(
             self.step,
             batch,
             passes,
-            proximal.metrics if proximal else {},
             start,
             self.runtime,
             learning_rate=self.scheduler.get_last_lr()[0],
-            extra=extra,
+            extra=dict(self.source.metrics(), **(self.extra_metrics(batch) if passes else {})),
+            sampling=proximal.metrics if proximal else {},
             dynamic_sampling=self.config.dynamic_sampling,
             reward_names=self.reward_names,
         )

@@ -43,18 +43,30 @@ def peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def log_line(step: int, batch, passes: list, sampling: dict, start: float, runtime, **more) -> dict:
+def log_line(
+    step: int,
+    batch,
+    passes: list,
+    start: float,
+    runtime,
+    *,
+    learning_rate: float,
+    extra: dict,
+    sampling: dict,
+    dynamic_sampling: bool,
+    reward_names: list,
+) -> dict:
     """The step's log line, over every rank's rows: rollout statistics, the mean of each pass
     metric over the num_iterations passes (None when the step made no update), throughput and
-    memory, then ``more``: learning_rate, the source's and the trainer's extra metrics
-    (``extra``), TRL's ``sampling/*`` metrics of the correction (``sampling``), the dynamic
-    sampling counts and the per-reward means. Everything the device holds is read to the host
-    at once; the step's time ends there.
+    memory, the learning rate, ``extra``, TRL's ``sampling/*`` metrics of the correction, the
+    dynamic sampling counts and the per-reward means. Everything the device holds is read to
+    the host at once; the step's time (from ``start``) ends there.
 
     Args:
         batch: the step's :class:`~grpo_fast.trainer.step.StepBatch`.
         passes: each pass's metrics (device tensors).
-        more: learning_rate (float), extra (dict), dynamic_sampling (bool), reward_names (list).
+        extra: the source's and the trainer's own metrics (staleness, waits, the critic's).
+        sampling: the sampling correction's metrics (device tensors), or {}.
     """
     ranks, table = runtime.ranks, batch.scores  # [N_global, 2 + K]: combined reward, length, each reward
     combined, lengths, rewards = table[:, 0], table[:, 1], table[:, 2:]
@@ -62,7 +74,6 @@ def log_line(step: int, batch, passes: list, sampling: dict, start: float, runti
     count = scored.sum()
     mean = combined.nan_to_num().sum() / count
     variance = ((combined - mean).nan_to_num() ** 2).sum() / (count - 1)
-    reward_names = more["reward_names"]
     stats = dict(
         scored=count,
         reward_mean=mean,
@@ -89,11 +100,11 @@ def log_line(step: int, batch, passes: list, sampling: dict, start: float, runti
         tokens_per_s=stats["tokens"] / elapsed,
         step_time_s=elapsed,
         peak_mem_bytes=ranks.max(peak_memory(runtime.device)),
-        learning_rate=more["learning_rate"],
-        **more["extra"],
+        learning_rate=learning_rate,
+        **extra,
         **{key: stats[key] for key in sampling},
     )
-    if more["dynamic_sampling"]:
+    if dynamic_sampling:
         metrics.update(sampling_rounds=batch.samples.sampling_rounds, groups_dropped=batch.samples.dropped_groups)
     for name in reward_names:
         value = stats[f"rewards/{name}"]
