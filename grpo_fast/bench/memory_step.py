@@ -1,0 +1,154 @@
+"""One configuration of ``grpo-fast bench memory`` (``memory.py``), in its own fresh process:
+a policy built from the spec, the trainer's steps on a fixed synthetic batch, their peak
+memory and time, and the exact sizes of the states the peak holds."""
+
+import json
+import os
+import sys
+
+_TOKENIZER_NOT_USED = object()  # the trainers need a tokenizer only to sample and to save
+
+
+def _synthetic_batch(N: int, P: int, C: int, V: int, device):
+    """A fixed rollout: prompts of P tokens, completions of C // 2 + 1 to C tokens, rewards in {0, 1}."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, V, (N, P + C), generator=g)
+    lengths = torch.randint(C // 2 + 1, C + 1, (N, 1), generator=g)
+    completion_mask = (torch.arange(C).unsqueeze(0) < lengths).float()  # [N, C]
+    attention_mask = torch.cat([torch.ones(N, P, dtype=torch.long), completion_mask.long()], dim=1)
+    rewards = torch.randint(0, 2, (N, 1), generator=g).float()  # [N, K=1]
+    return dict(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        completion_mask=completion_mask.to(device),
+        rewards=rewards.to(device),
+    )
+
+
+def _fixed_source(batch: dict, ranks):
+    """A rollout source whose samples are this rank's rows of ``batch`` (tensors [N, ...]),
+    every step, instead of sampled ones: the rest of the step (reference log-probs) runs as usual."""
+    from grpo_fast.trainer.rollout import Samples
+    from grpo_fast.trainer.sources import RolloutSource
+
+    class FixedSamples(RolloutSource):
+        def next(self, position: int, version: int) -> Samples:
+            rows = ranks.share(batch["input_ids"].shape[0])
+            n = rows.stop - rows.start
+            mine = {name: tensor[rows] for name, tensor in batch.items()}
+            return Samples(prompts=[""] * n, completions=[""] * n, columns={}, **mine, data_end=position)
+
+    return FixedSamples()
+
+
+def _build_policy(spec: dict):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if spec.get("model_path"):
+        return AutoModelForCausalLM.from_pretrained(spec["model_path"], local_files_only=True, dtype=torch.float32)
+    length = spec["prompt_length"] + spec["completion_length"]
+    config = LlamaConfig(**spec["model"], max_position_embeddings=length, tie_word_embeddings=True)
+    return LlamaForCausalLM(config)
+
+
+def _state_bytes(tensors) -> int:
+    """Bytes this rank holds: a DTensor (FSDP2) counts its local shard."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def worker(spec: dict) -> dict:
+    """One configuration's peak over two steps and the time of ``repeats`` more; runs in a fresh process."""
+    if spec["config"] == "grpo_eager":
+        os.environ["GRPO_FAST_BACKEND"] = "reference"
+    import torch
+
+    from grpo_fast.bench.measure import current_rss_bytes, peak_rss_bytes, time_fn
+    from grpo_fast.trainer import GRPOConfig, GRPOTrainer, distributed
+    from grpo_fast.trainer.ppo import PPOConfig, PPOTrainer
+
+    name = spec["config"]
+    processes = spec["jobs"] * spec.get("nproc", 1)
+    if processes > 1:  # processes side by side share the cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+    torch.manual_seed(0)
+    device = distributed.resolve_device(spec["device"])  # under torchrun: cuda:LOCAL_RANK
+    cuda = device.type == "cuda"
+    baseline = torch.cuda.memory_allocated(device) if cuda else current_rss_bytes()
+
+    policy = _build_policy(spec)
+    N, P, C = spec["batch"], spec["prompt_length"], spec["completion_length"]
+    V = policy.get_output_embeddings().weight.shape[0]
+    options = dict(
+        batch_size=N,
+        group_size=spec["group_size"],
+        max_new_tokens=C,
+        beta=spec["beta"],
+        micro_batch_size=spec["micro_batch"],
+        fused_linear=name == "grpo_fused_linear",
+        warmup_steps=0,
+        device=str(device),
+        parallel=spec.get("parallel", "ddp"),
+        progress=False,
+    )
+    config_cls, trainer_cls = (PPOConfig, PPOTrainer) if name == "ppo" else (GRPOConfig, GRPOTrainer)
+    trainer = trainer_cls(config_cls(**options), model=policy, tokenizer=_TOKENIZER_NOT_USED, rows=[{"prompt": ""}])
+    ranks = trainer.runtime.ranks
+    trainer.source = _fixed_source(_synthetic_batch(N, P, C, V, device), ranks)
+
+    peaks = []
+    for _ in range(2):  # the first step creates the optimizer's moments; the second holds them in its backward
+        trainer.train_step()  # (on CUDA it resets the peak counter: each peak is its own step's)
+        peaks.append((torch.cuda.max_memory_allocated(device) if cuda else peak_rss_bytes()) - baseline)
+    peak = max(peaks)
+    timing = time_fn(trainer.train_step, warmup=0, repeats=spec["repeats"])
+
+    trainable = [p for p in trainer.policy.parameters() if p.requires_grad]
+    held = list(trainer.policy.parameters())
+    optimizers = [trainer.optimizer]
+    if name == "ppo":
+        trainable += list(trainer.value_model.parameters())
+        held += list(trainer.value_model.parameters())
+        optimizers.append(trainer.value_optimizer)
+    if trainer.reference is not None and trainer.reference is not trainer.policy:
+        held += list(trainer.reference.parameters())
+    optimizer_states = [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+    micro = min(spec["micro_batch"] or N, N // ranks.world_size)  # rows per forward on this rank
+    logits_dtype = torch.float32 if trainer.runtime.half_weights is None else trainer.runtime.half_weights
+    logits = 0 if name == "grpo_fused_linear" else micro * (C + 1) * V * logits_dtype.itemsize
+    states = dict(
+        params_bytes=_state_bytes({id(p): p for p in held}.values()),  # tied weights once
+        grads_bytes=_state_bytes({id(p): p for p in trainable}.values()),
+        optimizer_bytes=_state_bytes(optimizer_states),
+    )
+    result = dict(
+        peak_bytes=int(peak),
+        first_step_peak_bytes=int(peaks[0]),
+        step_s=timing["median_s"],
+        step_p20_s=timing["p20_s"],
+        step_p80_s=timing["p80_s"],
+        **states,
+        logits_bytes=logits,
+        rest_bytes=int(peak) - sum(states.values()),
+        num_params=sum(p.numel() for p in {id(p): p for p in trainer.policy.parameters()}.values()),
+        device=device.type,
+    )
+    if not ranks.active:
+        return result
+    import torch.distributed as dist
+
+    results = [None] * ranks.world_size
+    dist.all_gather_object(results, result)
+    if ranks.is_main:
+        print(json.dumps(dict(results[0], peak_bytes=max(r["peak_bytes"] for r in results), ranks=results)), flush=True)
+    # Freeing the DDP reducer's gloo group after the last collective can deadlock in torch
+    # (its destructor joins a gloo thread that waits for the GIL to free the all-gather's
+    # tensors; seen in 1 of 2 runs here): the numbers are out, so leave without the teardown.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# ---------------------------------------------------------------- the driver
