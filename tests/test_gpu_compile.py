@@ -5,7 +5,9 @@ spills, and every streaming kernel keeps at least 16 warps resident per SM.
 (under the interpreter, so the specialisations are those of production), compiles each
 through ptxas for both targets without a GPU, and applies these rules. Checked with the
 installed Triton (CI's) and with the GPU machine's Triton 3.6 (``_device_image``): the
-code that runs there is compiled by that version.
+code that runs there is compiled by that version. The launches are captured once and shared:
+the launchers are grpo_fast's Python and pick the same launches whatever the Triton (3.6
+and 3.9 record identical captures); the interpreter of 3.6 runs in test_gpu_script's dry run.
 """
 
 import importlib.util
@@ -24,12 +26,19 @@ occupancy = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(occupancy)
 
 
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Where the first report's capture is written for the other to read."""
+    return tmp_path_factory.mktemp("capture") / "launches.json"
+
+
 @pytest.fixture(scope="module", params=["installed triton", "device image triton 3.6"])
-def report(request, tmp_path_factory):
+def report(request, launches, tmp_path_factory):
     python = sys.executable if request.param == "installed triton" else _device_image.python3()
     out = tmp_path_factory.mktemp("occupancy") / "occupancy.json"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
-    proc = subprocess.run([python, SCRIPT, "--json", str(out)], env=env, capture_output=True, text=True, timeout=1200)
+    command = [python, SCRIPT, "--json", str(out), "--launches", str(launches)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     assert out.exists(), f"occupancy.py crashed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return dict(json.loads(out.read_text()), stdout=proc.stdout, returncode=proc.returncode)
 
