@@ -4,8 +4,12 @@ TRITON_INTERPRET must be set before triton is first imported, so it is set here,
 top of the first module pytest loads. ``GRPO_FAST_TEST_CUDA=1`` keeps real CUDA kernels.
 """
 
+import contextlib
 import math
 import os
+import subprocess
+import sys
+import tempfile
 
 if os.environ.get("GRPO_FAST_TEST_CUDA") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -125,3 +129,80 @@ def trl_sampling_correction(old, sampling, mask, mode, clip_min, clip_max):
     low = clip_min if clip_min is not None else -math.inf
     high = clip_max if clip_max is not None else math.inf
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+# ---------------------------------------------------------------- small runs
+# The demo task at a size where a step takes tens of milliseconds: 4 prompts of 4 samples, 3 tokens.
+SMALL = dict(batch_size=16, group_size=4, max_new_tokens=3, progress=False)
+
+
+def small_config(tmp_path, **overrides):
+    """A :class:`GRPOConfig` of the SMALL run writing to ``tmp_path/run``, with ``overrides``."""
+    from grpo_fast.trainer import GRPOConfig
+
+    return GRPOConfig(**{**SMALL, "output_dir": str(tmp_path / "run"), **overrides})
+
+
+def without_timings(rows: list) -> list:
+    """Metrics rows without the keys that measure time or memory (they differ run to run)."""
+    from grpo_fast.trainer.run_log import TIMING_KEYS
+
+    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in rows]
+
+
+def assert_rows_close(rows: list, expected: list, rel: float) -> None:
+    """Metrics rows equal ``expected`` row for row, key for key (timings aside), to ``rel``."""
+    from grpo_fast.trainer.run_log import TIMING_KEYS
+
+    assert len(rows) == len(expected)
+    for got, want in zip(rows, expected):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            if key not in TIMING_KEYS:
+                assert got[key] == pytest.approx(value, rel=rel, abs=1e-6), (want["step"], key)
+
+
+# ---------------------------------------------------------------- child processes and torchrun
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+def torchrun_command(*args) -> list:
+    """``torchrun --standalone --nproc-per-node=2 ARGS`` as this interpreter runs it."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
+
+
+def child_env(**extra) -> dict:
+    """This environment, tests/ importable (the helper rewards), one thread per process."""
+    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+    # no GPU either: on a GPU host rank 1 would ask for cuda:1, and the tests expect gloo
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **extra)
+
+
+def run_child(command: list, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    """Runs ``command`` in :func:`child_env` (``env`` added) to its end; output captured."""
+    return subprocess.run(command, env=child_env(**env), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@contextlib.contextmanager
+def start_child(command: list, timeout: float = 600, **env):
+    """Starts ``command`` in :func:`child_env` (``env`` added) and yields its Popen, so that the
+    block can work while it runs; on leaving, waits for its end (killing it after ``timeout``
+    seconds, or at once when the block raised) and sets its ``stderr`` to the text it wrote."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            command, env=child_env(**env), stdout=subprocess.DEVNULL, stderr=err, text=True, cwd=ROOT
+        )
+        try:
+            yield proc
+            proc.wait(timeout)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()  # torchrun passes it on to its ranks
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            err.seek(0)
+            proc.stderr = err.read()

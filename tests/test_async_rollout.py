@@ -1,9 +1,10 @@
 """Asynchronous rollouts (max_staleness K >= 1): the sampling correction's metrics against TRL's
-formulas in float64, the trainer's loss on stale batches against the float64 reference, bad settings,
-resume, and the failures (worker error, worker killed, trainer killed, Ctrl-C).
+formulas in float64, the trainer's loss on stale batches against the float64 reference, what the
+worker computes beside its samples, bad settings, resume, and the failures (worker error, worker
+killed, trainer killed, Ctrl-C).
 
 Each trainer here starts a worker process (spawn: a fresh interpreter that imports torch), so
-these tests use the demo's tiny model and few steps.
+these tests use the demo's tiny model and few steps, and one worker checks all it can.
 """
 
 import copy
@@ -17,7 +18,16 @@ import time
 
 import pytest
 import torch
-from conftest import completion_logits, rel_err, trl_sampling_correction
+from conftest import (
+    ROOT,
+    assert_rows_close,
+    completion_logits,
+    rel_err,
+    run_child,
+    small_config,
+    torchrun_command,
+    trl_sampling_correction,
+)
 
 from grpo_fast import reference
 from grpo_fast.spec import SAMPLING_CORRECTIONS, sampling_correction
@@ -26,13 +36,8 @@ from grpo_fast.trainer.async_rollout import WorkerError
 from grpo_fast.trainer.distributed import Ranks
 from grpo_fast.trainer.rollout import reference_context, sampling_metrics
 from grpo_fast.trainer.run_log import read_metrics
-
-SMALL = dict(batch_size=16, group_size=4, max_new_tokens=3, progress=False)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def small_config(tmp_path, **overrides) -> GRPOConfig:
-    return GRPOConfig(**{**SMALL, "output_dir": str(tmp_path / "run"), **overrides})
+from grpo_fast.trainer.sources import InProcessRollouts
+from grpo_fast.trainer.step import packed_logprobs
 
 
 @pytest.mark.parametrize("mode", list(SAMPLING_CORRECTIONS))
@@ -90,16 +95,20 @@ def test_bad_asynchronous_settings_are_refused_before_the_model_loads(tmp_path, 
 
 
 def test_synchronous_loop_starts_no_worker_and_has_no_correction(tmp_path):
-    """K = 0 is today's loop: no worker, no importance weights, the ratio's old log-probs left
-    to the loss (on-policy), no asynchronous metrics."""
+    """K = 0 is today's loop: samples from the engine in this process, without sampling
+    log-probs; the first pass records neither log-probs nor importance weights (the ratio's old
+    log-probs are left to the loss: on-policy); no asynchronous or sampling metrics."""
     trainer = GRPOTrainer(small_config(tmp_path))
-    batch = trainer.make_rollout()
-    assert trainer.async_rollouts is None and batch.importance_weights is None and batch.old_logprobs is None
-    assert "staleness" not in trainer.train_step()
+    assert isinstance(trainer.source, InProcessRollouts)
+    metrics, batch = trainer.run_step()
+    assert batch.samples.sampling_logprobs is None and batch.samples.policy_version is None
+    first = trainer.accumulate_gradients(batch, None)
+    assert first.logprobs is None and first.weights is None
+    assert "staleness" not in metrics and not any(key.startswith("sampling/") for key in metrics)
 
 
 def gradient_step(trainer):
-    """One training step: ``(its batch, its metrics, [(the gradient [P] flat as an optimizer
+    """One training step: ``(its StepBatch, its metrics, [(the gradient [P] flat as an optimizer
     step receives it, the policy it was computed at)] for each of its passes)``."""
     passes, optimizer_step = [], trainer.optimizer_step
 
@@ -110,10 +119,10 @@ def gradient_step(trainer):
 
     trainer.optimizer_step = recorded
     try:
-        metrics = trainer.train_step()
+        metrics, batch = trainer.run_step()
     finally:
         del trainer.optimizer_step
-    return trainer.last_rollout, metrics, passes
+    return batch, metrics, passes
 
 
 @pytest.mark.parametrize(
@@ -127,31 +136,32 @@ def test_stale_batches_train_on_the_float64_reference_loss_with_the_correction(
     """K = 2: each pass's gradient is the float64 reference loss's on its batch, at the pass's
     weights, with the step's first weights as the proximal (old) policy and TRL's truncated
     weight of proximal vs the sampler's log-probs (computed in the first pass, no extra
-    forward); the batches are stale (the worker samples ahead); the first batch, sampled by
-    the initial weights, is the synchronous loop's first batch with its gradient."""
+    forward); the batches are stale (the worker samples ahead: 3 steps give staleness 0, 1, 2);
+    the first batch, sampled by the initial weights, is the synchronous loop's first batch with
+    its gradient."""
     overrides = dict(sampling_correction=mode, sampling_correction_max=1.02, num_iterations=num_iterations)
     overrides.update(beta=0.04, learning_rate=3e-2, fused_linear=fused_linear)
     sync_batch, _, sync_passes = gradient_step(GRPOTrainer(small_config(tmp_path / "sync", **overrides)))
     trainer = GRPOTrainer(small_config(tmp_path, max_staleness=2, **overrides))
     try:
-        records = [gradient_step(trainer) for _ in range(4)]
+        records = [gradient_step(trainer) for _ in range(3)]
     finally:
         trainer.close()
-    assert records[0][0].completions == sync_batch.completions
+    assert records[0][0].samples.completions == sync_batch.samples.completions
     assert rel_err(records[0][2][0][0], sync_passes[0][0]) < 1e-5
     staleness = [metrics["staleness"] for _, metrics, _ in records]
     assert max(staleness) >= 1 and all(0 <= s <= 2 for s in staleness), staleness
     clipped = 0
     for batch, metrics, passes in records:
         assert len(passes) == num_iterations
-        C = batch.completion_mask.shape[1]
-        ids, mask = batch.input_ids[:, -C:], batch.completion_mask.double()
+        samples, C = batch.samples, batch.completion_mask.shape[1]
+        ids, mask = samples.input_ids[:, -C:], batch.completion_mask.double()
 
         def logits_at(policy):
-            return completion_logits(policy.double(), batch.input_ids, batch.attention_mask, C)
+            return completion_logits(policy.double(), samples.input_ids, samples.attention_mask, C)
 
         proximal = reference.token_logprobs(logits_at(passes[0][1]), ids).detach()
-        weights = trl_sampling_correction(proximal, batch.sampling_logprobs.double(), mask, mode, None, 1.02)
+        weights = trl_sampling_correction(proximal, samples.sampling_logprobs.double(), mask, mode, None, 1.02)
         weights = weights.expand_as(mask)  # a sequence mode's ratio [N, 1] on each of its tokens
         clipped += int((weights[mask.bool()] == 1.02).sum())
         for gradient, policy in passes:
@@ -159,7 +169,7 @@ def test_stale_batches_train_on_the_float64_reference_loss_with_the_correction(
             reference.grpo_loss(
                 logits_at(policy),
                 ids,
-                batch.advantages.advantages.double(),
+                batch.advantages.double(),
                 mask,
                 proximal,
                 batch.ref_logprobs.double(),
@@ -174,60 +184,47 @@ def test_stale_batches_train_on_the_float64_reference_loss_with_the_correction(
     assert clipped > 0  # the cap was reached: the correction is exercised, not all ones
 
 
-def test_hf_engine_runs_asynchronously_on_a_named_device(tmp_path):
-    """The Hugging Face engine returns no log-probs: the worker computes the sampling
-    log-probs with a forward under the weights that sampled; a fresh batch's weights are 1."""
-    trainer = GRPOTrainer(small_config(tmp_path, max_staleness=1, generator="hf", generation_device="cpu"))
-    try:
-        metrics = trainer.train_step()
-    finally:
-        trainer.close()
-    assert metrics["staleness"] == 0
-    assert abs(metrics["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
-
-
-def test_the_worker_computes_reference_log_probs_while_it_would_wait(tmp_path):
-    """With beta != 0 the worker computes the reference log-probs of its batch's first
+def test_the_worker_computes_sampling_and_reference_log_probs_as_the_trainer_would(tmp_path):
+    """What the worker computes beside its samples, with the trainer's packing, on a named
+    device. The Hugging Face engine returns no log-probs: the worker computes the sampling
+    log-probs with a forward under the weights that sampled, so a fresh batch's weights are 1.
+    With beta != 0 the worker computes the reference log-probs of its batch's first
     micro-batches for as long as the trainer has not asked for that batch: none of the first
     (the trainer waits for it), all of the second while the trainer's step is slow. Either way
     they are the values the trainer computes itself (the same packed micro-batches)."""
-    trainer = GRPOTrainer(small_config(tmp_path, max_staleness=1, beta=0.04, micro_batch_size=4))
-    publish = trainer.async_rollouts.publish
+    config = small_config(
+        tmp_path, max_staleness=1, generator="hf", generation_device="cpu", beta=0.04, micro_batch_size=4
+    )
+    trainer = GRPOTrainer(config)
+    publish = trainer.source.publish
 
-    def slow_publish():
+    def slow_publish(policy, version):
         time.sleep(2.0)  # a trainer step longer than the worker's batch
-        publish()
+        publish(policy, version)
 
-    trainer.async_rollouts.publish = slow_publish
-    shares = []
+    trainer.source.publish = slow_publish
+    steps = []
     try:
         for _ in range(2):
-            shares.append(trainer.train_step()["worker_reference_share"])
-            batch = trainer.last_rollout
+            metrics, batch = trainer.run_step()
+            steps.append(metrics)
             with reference_context(trainer.policy, trainer.reference):
-                own = trainer.packed_logprobs(trainer.reference_module, batch)
-            assert len(trainer.micro_batches(batch)) == 4 and torch.equal(batch.ref_logprobs, own)
-        worker = trainer.async_rollouts.process
+                own = packed_logprobs(
+                    trainer.modules.reference,
+                    batch.micro_batches,
+                    trainer.runtime.ranks,
+                    trainer.modules.filler,
+                    batch.completion_mask,
+                )
+            assert len(batch.micro_batches) == 4 and torch.equal(batch.ref_logprobs, own)
+        worker = trainer.source.process
     finally:
         trainer.close()
-    assert shares == [0.0, 1.0]
+    assert [m["staleness"] for m in steps] == [0, 1]
+    assert abs(steps[0]["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
+    assert steps[0]["sampling/sampling_logp_difference/max"] < 1e-4
+    assert [m["worker_reference_share"] for m in steps] == [0.0, 1.0]
     assert worker.exitcode == 0  # it saw the stop where it waited and left (not terminated)
-
-
-@pytest.mark.slow
-def test_checkpoint_resumes_after_the_trained_steps(tmp_path):
-    """Batches in flight when a checkpoint is written are not in it: a resumed run samples
-    them again, from the data position after the last trained batch."""
-    trainer = GRPOTrainer(small_config(tmp_path, max_staleness=1, steps=2))
-    trainer.train()
-    assert trainer.async_rollouts.process is None  # train() stopped its worker
-    resumed = GRPOTrainer(small_config(tmp_path, max_staleness=1, steps=3))
-    assert resumed.resume() == 2 and resumed.data_position == 2 * resumed.config.prompts_per_step
-    try:
-        metrics = resumed.train_step()
-    finally:
-        resumed.close()
-    assert metrics["step"] == 3 and resumed.data_position == 3 * resumed.config.prompts_per_step
 
 
 def failing_reward(prompts, completions, **columns):
@@ -243,18 +240,27 @@ def test_worker_error_reaches_the_trainer(tmp_path):
         trainer.close()
 
 
-def test_killed_worker_stops_the_trainer_within_seconds(tmp_path):
-    trainer = GRPOTrainer(small_config(tmp_path, max_staleness=1, steps=50))
+def test_resume_samples_after_the_trained_steps_and_a_killed_worker_stops_the_trainer(tmp_path):
+    """Batches in flight when a checkpoint is written are not in it: a resumed run samples
+    them again, from the data position after the last trained batch. Its worker SIGKILLed, the
+    trainer raises within seconds (a batch the worker finished before dying may still be
+    trained on)."""
+    trainer = GRPOTrainer(small_config(tmp_path, max_staleness=1, steps=2))
+    trainer.train()
+    assert trainer.source.process is None  # train() stopped its worker
+    resumed = GRPOTrainer(small_config(tmp_path, max_staleness=1, steps=50))
+    assert resumed.resume() == 2 and resumed.data_position == 2 * resumed.config.prompts_per_step
     try:
-        trainer.train_step()
-        os.kill(trainer.async_rollouts.process.pid, signal.SIGKILL)
+        metrics = resumed.train_step()
+        assert metrics["step"] == 3 and resumed.data_position == 3 * resumed.config.prompts_per_step
+        os.kill(resumed.source.process.pid, signal.SIGKILL)
         killed = time.perf_counter()
         with pytest.raises(WorkerError, match=r"died \(exit code -9\)"):
-            for _ in range(3):  # a batch it finished before dying may still be trained on
-                trainer.train_step()
+            for _ in range(3):
+                resumed.train_step()
         assert time.perf_counter() - killed < 10
     finally:
-        trainer.close()
+        resumed.close()
 
 
 def gone(pid: int) -> bool:
@@ -283,7 +289,7 @@ TRAINER_SCRIPT = textwrap.dedent(
                         output_dir=sys.argv[1])
     trainer = GRPOTrainer(config)
     trainer.train_step()
-    print(trainer.async_rollouts.process.pid, flush=True)
+    print(trainer.source.process.pid, flush=True)
     time.sleep(120)
     """
 )
@@ -358,20 +364,18 @@ def test_torchrun_two_ranks_each_with_a_worker_train_as_one_process(tmp_path):
     prompts: the samples are a function of (seed, key, sample index) and the weights, and the
     staleness is the same, so the rows equal one process's with K = 1 to 1e-4 (the world sizes'
     summed gradients round apart; see test_distributed); the job ends with its workers."""
-    from test_distributed import assert_rows_close, run, torchrun_command
-
-    args = ["--max-staleness", "1", "--steps", "6", "--save-every", "0", "--no-progress"]
+    args = ["--max-staleness", "1", "--steps", "3", "--save-every", "0", "--no-progress"]
     out = str(tmp_path / "two")
-    proc = run(torchrun_command("-m", "grpo_fast", "train", "--output-dir", out, *args), timeout=600)
+    proc = run_child(torchrun_command("-m", "grpo_fast", "train", "--output-dir", out, *args), timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     rows = read_metrics(out)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # one thread for the trainer, one for its worker, as each rank
     try:
         alone = GRPOTrainer(
-            GRPOConfig(max_staleness=1, steps=6, save_every=0, progress=False, output_dir=str(tmp_path / "one"))
+            GRPOConfig(max_staleness=1, steps=3, save_every=0, progress=False, output_dir=str(tmp_path / "one"))
         ).train()
     finally:
         torch.set_num_threads(threads)
-    assert [m["staleness"] for m in rows] == [m["staleness"] for m in alone] == [0, 1, 1, 1, 1, 1]
+    assert [m["staleness"] for m in rows] == [m["staleness"] for m in alone] == [0, 1, 1]
     assert_rows_close(rows, alone, rel=1e-4)

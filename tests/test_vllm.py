@@ -1,35 +1,42 @@
 """The vLLM engine (``--generator vllm``) on CPU: its log-probs follow the policy through every
-sync (LoRA merged), it trains the demo as the sampler does, resumes exactly, and refuses what
-it cannot run before training.
+published version (LoRA merged), it learns the demo, resumes exactly, and refuses what it
+cannot run before training.
 
 Needs vLLM's CPU build (the README's test command installs it); an engine starts in about
 15 s, so the tests share one engine where they can.
 """
 
 import copy
+import dataclasses
 import sys
 
 import pytest
 import torch
-from conftest import completion_logprobs
+from conftest import completion_logprobs, run_child, torchrun_command
 
 from grpo_fast.tasks.arithmetic import build_dataset, build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer.run_log import TIMING_KEYS, read_metrics, tenth_means
+from grpo_fast.trainer.runtime import Runtime
 
 pytest.importorskip("vllm", reason="vLLM is not installed (see the README's test command)")
 
 from grpo_fast.trainer.generators.vllm import VLLMGenerator  # noqa: E402
 
 HEADS = dict(num_attention_heads=2, num_key_value_heads=2)  # head_dim 32: vLLM's CPU attention takes it
-PROMPTS = [row["prompt"] for row in build_dataset(6, seed=1)]
+PROMPTS = [row["prompt"] for row in build_dataset(6, seed=1)]  # 4 tokens each
+CONTEXT = 16  # the shared engine's vllm_max_model_len (the model's own limit is 32)
 
 
 @pytest.fixture(scope="module")
 def engine():
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=0, **HEADS)
-    return VLLMGenerator(model, tokenizer, GRPOConfig(generator="vllm", max_new_tokens=6))
+    config = GRPOConfig(generator="vllm", max_new_tokens=6, vllm_max_model_len=CONTEXT)
+    engine = VLLMGenerator(model, tokenizer, config)
+    yield engine
+    engine.close()
 
 
 def policy_gap(engine, model=None, keys=range(6)) -> tuple:
@@ -40,13 +47,13 @@ def policy_gap(engine, model=None, keys=range(6)) -> tuple:
     return out, ((policy - out.logprobs) * out.completion_mask).abs().max().item()
 
 
-def test_engine_log_probs_follow_the_policy_through_each_sync(engine):
+def test_engine_log_probs_follow_the_policy_through_each_published_version(engine):
     """A float32 engine's log-probs of its samples are the policy's to 1e-4, before and after
-    in-memory syncs; a sync happens only when the weights changed; a sample is a function of
-    (seed, key, sample index) and the weights."""
+    in-memory syncs; a sync happens only when a newer version was published (then before the
+    next rollout); a sample is a function of (seed, key, sample index) and the weights."""
     first, gap = policy_gap(engine)
     assert gap < 1e-4 and first.completion_mask.sum() > 0
-    assert not engine.sync()  # nothing changed since the engine started
+    assert not engine.sync()  # nothing published since the engine started
     again, _ = policy_gap(engine)
     assert torch.equal(first.input_ids, again.input_ids)
     shifted, _ = policy_gap(engine, keys=range(1, 7))
@@ -55,6 +62,7 @@ def test_engine_log_probs_follow_the_policy_through_each_sync(engine):
         with torch.no_grad():
             for p in engine.model.parameters():
                 p.add_(torch.randn_like(p) * 0.2)  # an optimizer step
+        engine.publish(engine.published + 1)
         out, gap = policy_gap(engine)  # generate syncs first
         assert gap < 1e-4 and engine.metrics()["sync_time_s"] > 0
         assert not torch.equal(out.logprobs, first.logprobs)
@@ -65,14 +73,14 @@ def test_lora_policy_syncs_merged_weights(engine):
     """A peft LoRA policy reaches the engine as base + B A * scale, the policy left unmerged."""
     from peft import LoraConfig, get_peft_model
 
-    lora = get_peft_model(
-        copy.deepcopy(engine.model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    )
+    model = engine.model
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.3)
     engine.model = lora
+    engine.publish(engine.published + 1)
     try:
         out, gap = policy_gap(engine, lora)
         with lora.disable_adapter():
@@ -81,7 +89,21 @@ def test_lora_policy_syncs_merged_weights(engine):
         assert ((base - out.logprobs) * out.completion_mask).abs().max() > 1e-2  # the adapters did reach it
         assert not any(getattr(m, "merged", False) for m in lora.modules())
     finally:
-        engine.model = lora.get_base_model()
+        engine.model = model  # the next rollout syncs the plain policy back
+        engine.publish(engine.published + 1)
+
+
+def test_a_rollout_longer_than_the_engine_context_is_refused(engine):
+    """``vllm_max_model_len`` is the engine's context; a prompt plus max_new_tokens beyond it is
+    refused when sampled (here at the trainer's first rollout, before any update), naming the fix."""
+    config = engine.config
+    assert engine.llm.llm_engine.model_config.max_model_len == CONTEXT
+    engine.config = dataclasses.replace(config, max_new_tokens=CONTEXT - 3)
+    try:
+        with pytest.raises(ValueError, match=f"a prompt of 4 tokens .* exceeds the engine's max_model_len {CONTEXT}"):
+            engine.generate(PROMPTS, 4, list(range(6)))
+    finally:
+        engine.config = config
 
 
 @pytest.mark.slow
@@ -91,28 +113,35 @@ def test_bf16_engine_log_probs_within_the_measured_bound():
     0.17-1.5 max, 0.02-0.05 mean after random weight steps of std 0.2); bounds 0.02 and 2e-3."""
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=0, **HEADS)
-    engine = VLLMGenerator(model, tokenizer, GRPOConfig(generator="vllm", max_new_tokens=6), bf16=True)
-    prompts = [row["prompt"] for row in build_dataset(32, seed=1)]
-    out = engine.generate(prompts, 8, list(range(32)))
+    runtime = Runtime(torch.device("cpu"), bf16=True)
+    engine = VLLMGenerator(model, tokenizer, GRPOConfig(generator="vllm", max_new_tokens=6), runtime)
+    try:
+        prompts = [row["prompt"] for row in build_dataset(32, seed=1)]
+        out = engine.generate(prompts, 8, list(range(32)))
+    finally:
+        engine.close()
     policy = completion_logprobs(model, out.input_ids, out.attention_mask, out.completion_mask.shape[1])
     gap = ((policy - out.logprobs) * out.completion_mask).abs()
     assert 1e-5 < gap.max() < 0.02 and gap.sum() / out.completion_mask.sum() < 2e-3
 
 
 @pytest.mark.slow
-def test_train_learns_the_demo_as_the_sampler_does_and_resumes_exactly(tmp_path):
-    """``grpo-fast train --generator vllm`` raises the demo's reward as ``--generator sampler``
-    does over the same steps, logs TRL's sampling metrics and the sync time, and a run resumed
-    from a checkpoint repeats the uninterrupted one."""
-    runs = {}
-    for name in ("sampler", "vllm"):
-        config = GRPOConfig(generator=name, steps=40, save_every=20, progress=False, output_dir=str(tmp_path / name))
-        GRPOTrainer(config).train()
-        runs[name] = read_metrics(config.output_dir)
-    for name, history in runs.items():
-        first, last = tenth_means(history, "reward_mean")
-        assert last > first + 0.15, (name, first, last)
-    vllm = runs["vllm"]
+def test_train_learns_the_demo_and_resumes_exactly(tmp_path):
+    """``grpo-fast train --generator vllm`` raises the demo's reward over 40 steps (by the bound
+    the sampler's runs meet: test_distributed's 40-step run, test_cli's demo), logs TRL's
+    sampling metrics and the sync time, and a run resumed from a checkpoint (step 35: the
+    engine starts from the initial weights and syncs the restored ones) repeats the
+    uninterrupted one."""
+    out = str(tmp_path / "vllm")
+
+    def config():
+        return GRPOConfig(generator="vllm", steps=40, save_every=5, progress=False, output_dir=out)
+
+    trainer = GRPOTrainer(config())
+    trainer.train()
+    vllm = read_metrics(out)
+    first, last = tenth_means(vllm, "reward_mean")
+    assert last > first + 0.15, (first, last)
     keys = ("mean", "max")
     assert all(0 <= m[f"sampling/sampling_logp_difference/{k}"] < 1e-4 for m in vllm for k in keys)
     assert all(
@@ -121,16 +150,14 @@ def test_train_learns_the_demo_as_the_sampler_does_and_resumes_exactly(tmp_path)
     syncs = [m["sync_time_s"] for m in vllm[1:]]
     assert all(0 < s < 5 for s in syncs)  # one sync a step, bounded over the run
 
-    resumed = GRPOTrainer(
-        GRPOConfig(generator="vllm", steps=40, save_every=20, progress=False, output_dir=str(tmp_path / "vllm"))
-    )
-    assert resumed.resume(str(tmp_path / "vllm" / "checkpoints" / "step-000020")) == 20
+    resumed = GRPOTrainer(config())
+    assert resumed.resume(ckpt.checkpoint_path(out, 35)) == 35
     history = resumed.train()
 
     def without_timing(rows):
         return [{k: v for k, v in m.items() if k not in TIMING_KEYS and not k.startswith("sampling/")} for m in rows]
 
-    assert without_timing(history[20:]) == without_timing(vllm[20:])
+    assert without_timing(history[35:]) == without_timing(vllm[35:])
 
 
 @pytest.mark.parametrize(
@@ -138,7 +165,7 @@ def test_train_learns_the_demo_as_the_sampler_does_and_resumes_exactly(tmp_path)
     [
         (dict(), dict(), ValueError, r"head sizes .* the model has head_dim=16"),
         (HEADS, dict(max_prompt_length=30, max_new_tokens=4), ValueError, "exceeds the engine's max_model_len 32"),
-        (HEADS, dict(vllm_max_model_len=3), ValueError, "exceeds the engine's max_model_len 3"),
+        (HEADS, dict(max_prompt_length=10, vllm_max_model_len=12), ValueError, "exceeds the engine's max_model_len 12"),
         (HEADS, dict(vllm_sleep_level=1), ValueError, "vllm_sleep_level=1: vLLM's sleep mode needs a GPU"),
         (
             HEADS,
@@ -171,14 +198,12 @@ def test_torchrun_two_processes_each_with_an_engine(tmp_path, parallel):
     """Under torchrun (2 processes, gloo) every rank runs its own engine on its share of the
     prompts; after each step's sync the engines' log-probs are the policy's (DDP: its replica;
     FSDP2: gathered one tensor at a time), which the sampling metrics show over both ranks."""
-    from test_distributed import run, torchrun_command
-
     out = tmp_path / parallel
     command = torchrun_command(
         "-m", "grpo_fast", "train", "--generator", "vllm", "--parallel", parallel, "--steps", "3",
         "--save-every", "0", "--no-progress", "--output-dir", str(out),
     )  # fmt: skip
-    result = run(command, timeout=600)
+    result = run_child(command, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     history = read_metrics(str(out))
     assert [m["step"] for m in history] == [1, 2, 3]
@@ -197,12 +222,14 @@ def test_the_rollout_worker_runs_the_engine_with_the_weights_of_each_batch(tmp_p
     try:
         for _ in range(3):
             versions[trainer.step] = copy.deepcopy(trainer.policy)  # num_iterations 1: version = step
-            staleness.append(trainer.train_step()["staleness"])
-            batch = trainer.last_rollout
-            C = batch.completion_mask.shape[1]
-            policy = completion_logprobs(versions[batch.policy_version], batch.input_ids, batch.attention_mask, C)
-            gap = ((policy - batch.sampling_logprobs) * batch.completion_mask).abs().max().item()
-            assert gap < 1e-4 and batch.completion_mask.sum() > 0, (trainer.step, batch.policy_version, gap)
+            metrics, batch = trainer.run_step()
+            staleness.append(metrics["staleness"])
+            samples, mask = batch.samples, batch.completion_mask
+            policy = completion_logprobs(
+                versions[samples.policy_version], samples.input_ids, samples.attention_mask, mask.shape[1]
+            )
+            gap = ((policy - samples.sampling_logprobs) * mask).abs().max().item()
+            assert gap < 1e-4 and mask.sum() > 0, (trainer.step, samples.policy_version, gap)
     finally:
         trainer.close()
     assert staleness == [0, 1, 1]
