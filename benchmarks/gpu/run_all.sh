@@ -89,11 +89,14 @@ kernels time 160
 kernels sweep 100
 stage "fused linear" 70 python3 benchmarks/gpu/bench_fused_linear.py $DRY --out "$OUT/fused_linear_$suffix.json"
 stage "trainer step" 50 python3 benchmarks/gpu/bench_trainer_step.py $DRY --steps 2 --out "$OUT/trainer_step_$suffix.json"
+# torch.compile is timed by the time stage; compiling it again here would not fit (nor, in a
+# dry run, prove anything the CUDA run does).
 if [ -n "$DRY" ]; then
     bench_args=(--bench-device cpu --bench-shape tiny --benchmark-min-rounds 1 --benchmark-max-time 0.001 --benchmark-warmup off)
-else  # torch.compile is timed by the time stage; compiling it again here would not fit
-    bench_args=(--bench-device cuda --bench-shape full --benchmark-min-rounds 3 --benchmark-max-time 0.1 -k "not compiled")
+else
+    bench_args=(--bench-device cuda --bench-shape full --benchmark-min-rounds 3 --benchmark-max-time 0.1)
 fi
+bench_args+=(-k "not compiled")
 stage "pytest-benchmark" 50 python3 -m pytest benchmarks/ --benchmark-only -q -p no:cacheprovider \
     --benchmark-json "$OUT/pytest_benchmark${DRY:+_dryrun}.json" "${bench_args[@]}"
 # When the image has vLLM: the demo trained with --generator vllm (rollouts, in-memory weight sync,
