@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from conftest import SMALL as SMALL_RUN
 
 from grpo_fast.cli import main
 from grpo_fast.tasks.arithmetic import HELD_OUT, build_dataset, held_out_rows
@@ -18,7 +19,7 @@ from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer.evaluation import eval_metrics, pass_at_k
 from grpo_fast.trainer.run_log import TIMING_KEYS, read_completions, read_metrics
 
-SMALL = dict(batch_size=16, group_size=4, max_new_tokens=3, steps=4, progress=False)
+SMALL = dict(SMALL_RUN, steps=4)
 EVAL = dict(eval_every=2, eval_samples=4, log_completions_every=2)
 
 

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from _steps import backward, next_batch, off_policy, repacked
-from conftest import completion_logits, completion_logprobs, max_err, rel_err
+from conftest import completion_logits, completion_logprobs, max_err, rel_err, small_config
 
 import grpo_fast
 from grpo_fast import reference
@@ -27,13 +27,6 @@ from grpo_fast.trainer.generators.hf import HFGenerator
 from grpo_fast.trainer.optimization import load_schedule_state, lr_scheduler, schedule_state
 from grpo_fast.trainer.rollout import score
 from grpo_fast.trainer.run_log import METRIC_KEYS, TIMING_KEYS, read_metrics
-
-SMALL = dict(batch_size=16, group_size=4, max_new_tokens=3, progress=False)
-
-
-def small_config(tmp_path, **overrides) -> GRPOConfig:
-    return GRPOConfig(**{**SMALL, "output_dir": str(tmp_path / "run"), **overrides})
-
 
 # ---------------------------------------------------------------- rollout
 
