@@ -190,14 +190,9 @@ def accumulate(modules, policy, batch: StepBatch, proximal: Proximal | None, con
             weight = loss_config.aggregation.micro_batch_weight(
                 rows.stop - rows.start, micro_tokens, total_rows, total_tokens, loss_config, num_items
             )
-            out = modules.train(
-                packed,
-                loss_inputs(batch, packed, proximal, config.num_iterations, num_items),
-                fused_linear=config.fused_linear,
-                behaviour=Behaviour(batch.samples.sampling_logprobs[rows], mask[rows], correction)
-                if behaviour
-                else None,
-            )
+            sampled = Behaviour(batch.samples.sampling_logprobs[rows], mask[rows], correction) if behaviour else None
+            inputs = loss_inputs(batch, packed, proximal, config.num_iterations, num_items)
+            out = modules.train(packed, inputs, fused_linear=config.fused_linear, behaviour=sampled)
             (out.loss.loss * (weight * ranks.world_size)).backward()
         if record:
             logprobs.append(to_grid(out.logprobs.unsqueeze(0), packed))
