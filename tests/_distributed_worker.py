@@ -3,8 +3,9 @@
 As a script under torchrun (``torchrun --standalone --nproc-per-node 2 _distributed_worker.py
 JOB OUT``) it runs the job's cases on this rank's share of the job's fixed rollout batch and
 rank 0 saves the results to OUT; the test computes the same cases at world size 1 in its own
-process with the same functions. As a module it holds reward functions that runs of
-``grpo-fast train`` name as ``_distributed_worker:NAME`` (tests/ on PYTHONPATH).
+process with the same functions (``_distributed_worker.py vllm DIR``: test_vllm's job). As a
+module it holds reward functions that runs of ``grpo-fast train`` name as
+``_distributed_worker:NAME`` (tests/ on PYTHONPATH).
 """
 
 import dataclasses
@@ -16,6 +17,8 @@ import torch
 
 from grpo_fast.tasks.arithmetic import arithmetic_reward, build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+from grpo_fast.trainer.metrics import read_metrics
+from grpo_fast.trainer.step import Proximal, packed_logprobs
 
 SMALL = dict(batch_size=16, group_size=4, max_new_tokens=3, progress=False, beta=0.1)
 
@@ -65,41 +68,50 @@ def trainer_for(case: dict, output_dir: str) -> GRPOTrainer:
     return GRPOTrainer(config, model=model, tokenizer=tokenizer)
 
 
-def fixed_batch(trainer: GRPOTrainer):
-    """A rollout of the trainer (world size 1) with reference log-probs and old log-probs
-    0.3-normal noise away from the policy's, so that ratios leave the trust region."""
-    batch = trainer.make_rollout()
-    old = trainer.packed_logprobs(trainer.packed_policy, batch)
+def fixed_batch(trainer: GRPOTrainer) -> tuple:
+    """``(samples, old log-probs [N, C])``: the trainer's first samples (world size 1) and
+    log-probs 0.3-normal noise away from the policy's (0 past each completion), so that the
+    ratios of a later pass (num_iterations > 1) leave the trust region and clip."""
+    samples = trainer.source.next(0, 0)
+    batch = trainer.prepare(samples)
+    mask, modules = batch.completion_mask, trainer.modules
+    old = packed_logprobs(modules.packed, batch.micro_batches, trainer.runtime.ranks, modules.filler, mask)
     noise = 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=old.dtype)
-    return dataclasses.replace(batch, old_logprobs=(old + noise) * batch.completion_mask)
+    return samples, (old + noise) * mask
 
 
-def rows_of(batch, start: int, stop: int):
-    """Rows [start, stop) of a rollout without advantages."""
+def rows_of(samples, start: int, stop: int):
+    """Rows [start, stop) of ``samples``."""
     tensors = {
-        f.name: getattr(batch, f.name)[start:stop]
-        for f in dataclasses.fields(batch)
-        if torch.is_tensor(getattr(batch, f.name))
+        f.name: getattr(samples, f.name)[start:stop]
+        for f in dataclasses.fields(samples)
+        if torch.is_tensor(getattr(samples, f.name))
     }
     return dataclasses.replace(
-        batch,
-        prompts=batch.prompts[start:stop],
-        completions=batch.completions[start:stop],
-        columns={key: values[start:stop] for key, values in batch.columns.items()},
+        samples,
+        prompts=samples.prompts[start:stop],
+        completions=samples.completions[start:stop],
+        columns={key: values[start:stop] for key, values in samples.columns.items()},
         **tensors,
     )
 
 
-def case_gradients(case: dict, batch, output_dir: str) -> dict:
-    """One backward pass over this rank's rows of ``batch`` (``case["split"]``: rows per rank):
-    the whole gradient (gathered from the shards under FSDP2) and the pass's metrics."""
+def case_gradients(case: dict, fixed: tuple, output_dir: str) -> dict:
+    """One later pass (the old log-probs of ``fixed`` as the proximal policy's) over this rank's
+    rows of the fixed samples (``case["split"]``: rows per rank), from the step's batch that
+    ``prepare`` builds (advantages over every rank's rewards, reference log-probs, micro-batches):
+    the whole gradient (gathered from the shards under FSDP2) and the pass's metrics, summed
+    over ranks."""
     trainer = trainer_for(case, output_dir)
-    ranks = trainer.ranks
+    ranks = trainer.runtime.ranks
+    samples, old = fixed
+    start, stop = 0, samples.input_ids.shape[0]
     if ranks.world_size > 1:
         start = sum(case["split"][: ranks.rank])
-        batch = rows_of(batch, start, start + case["split"][ranks.rank])
-    local = trainer.compute_advantages(batch)
-    sums = trainer.accumulate_gradients(local, ranks.sum(local.completion_mask.sum()))
+        stop = start + case["split"][ranks.rank]
+    batch = trainer.prepare(rows_of(samples, start, stop))
+    result = trainer.accumulate_gradients(batch, Proximal(old[start:stop], None, {}))
+    sums = read_metrics([result.metrics], ranks, trainer.runtime.device)[0]
     trainable = [p for p in trainer.policy.parameters() if p.requires_grad]
     grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in trainable]
     return dict(grads=torch.cat([g.detach().flatten().cpu() for g in grads]), sums=sums)
@@ -128,7 +140,7 @@ def main(job_path: str, out_path: str) -> None:
     results = dict(cases=[], rank_errors=None)
     scratch = os.path.dirname(out_path)
     for case in job["cases"]:
-        results["cases"].append(case_gradients(case, job["batches"][case["batch"]], scratch))
+        results["cases"].append(case_gradients(case, job["fixed"][case["batch"]], scratch))
     try:
         trainer_for(dict(config=dict(batch_size=12)), scratch)  # 3 prompts a step: not divisible by 2 ranks
     except ValueError as exc:
@@ -139,5 +151,25 @@ def main(job_path: str, out_path: str) -> None:
         torch.save(results, out_path)
 
 
+def vllm_runs(output_dir: str) -> None:
+    """The demo with ``generator="vllm"`` for 2 steps under DDP, then under FSDP2, in one job
+    (each rank its own engine, shut down before the next starts; metrics in
+    ``output_dir/{ddp,fsdp}``): test_vllm's torchrun test."""
+    from grpo_fast.trainer import distributed
+
+    for parallel in ("ddp", "fsdp"):
+        config = GRPOConfig(
+            generator="vllm", parallel=parallel, steps=2, save_every=0, progress=False,
+            output_dir=os.path.join(output_dir, parallel),
+        )  # fmt: skip
+        trainer = GRPOTrainer(config)
+        trainer.train()
+        trainer.source.engine.close()
+    distributed.shutdown()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "vllm":
+        vllm_runs(sys.argv[2])
+    else:
+        main(*sys.argv[1:])

@@ -4,61 +4,41 @@
   uneven and empty ranks, the fused LM head, GSPO, batch-scaled advantages, LoRA with
   gradient checkpointing; dynamic sampling; an FSDP2 checkpoint resumed by one plain process
 - ``torchrun -m grpo_fast train``: learns as one process does, row for row at first; a rank
-  killed mid-run stops the job, ``--resume`` continues bit-exact, one process resumes too
-- held-out evaluation: a 2-rank run's and ``grpo-fast eval``'s numbers equal one process's
+  killed mid-run stops the job, ``--resume`` continues bit-exact, one process resumes too;
+  held-out evaluation: the run's, and ``grpo-fast eval``'s on 2 ranks, equal one process's
 - a rank's failing reward function, or a rank that hangs, stops the job with that error
 
-Each torchrun job starts two fresh interpreters on the 2-core machine (about 10 s each).
+Each torchrun job starts two fresh interpreters on the 2-core machine (about 10 s each), so
+a job checks all it can, and the one-process numbers it is compared with are computed in this
+process while it runs.
 """
 
+import glob
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import _distributed_worker as worker
 import pytest
 import torch
-from conftest import rel_err
+from conftest import (
+    TESTS,
+    assert_rows_close,
+    rel_err,
+    run_child,
+    start_child,
+    torchrun_command,
+    without_timings,
+)
 
 from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer.distributed import PARALLEL
-from grpo_fast.trainer.run_log import TIMING_KEYS, read_metrics, tenth_means
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
+from grpo_fast.trainer.run_log import read_metrics, tenth_means
 
 pytestmark = pytest.mark.slow
-
-
-def torchrun_command(*args) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
-
-
-def child_env(**extra) -> dict:
-    """This environment, tests/ importable (the helper rewards), one thread per rank."""
-    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
-    # no GPU either: on a GPU host rank 1 would ask for cuda:1, and the tests expect gloo
-    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **extra)
-
-
-def run(command: list, timeout: float = 300, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(command, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
-
-
-def without_timings(rows: list) -> list:
-    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in rows]
-
-
-def assert_rows_close(rows: list, expected: list, rel: float):
-    for got, want in zip(rows, expected):
-        assert got.keys() == want.keys()
-        for key, value in want.items():
-            if key not in TIMING_KEYS:
-                assert got[key] == pytest.approx(value, rel=rel, abs=1e-6), (want["step"], key)
 
 
 # ---------------------------------------------------------------- gradients
@@ -69,7 +49,7 @@ def gradient_cases() -> list:
     for parallel in PARALLEL:
 
         def case(batch="float64", split=(8, 8), **config):
-            config = dict(max_tokens_per_micro_batch=24, parallel=parallel, **config)
+            config = dict(max_tokens_per_micro_batch=24, parallel=parallel, num_iterations=2, **config)
             dtype = torch.float64 if batch == "float64" else torch.float32
             cases.append(dict(batch=batch, dtype=dtype, split=list(split), config=config))
 
@@ -87,41 +67,49 @@ def gradient_cases() -> list:
 
 
 def test_world_size_2_gives_the_gradients_of_world_size_1(tmp_path):
-    """Rank r takes rows [sum(split[:r]), ...) of one fixed batch; the gathered gradient equals
-    the one-process gradient of the whole batch (float64 to 1e-10, float32 to 1e-5), and so do
-    the pass's loss and metrics. The same job also checks the world-size validation, a
+    """Rank r takes rows [sum(split[:r]), ...) of one fixed batch; the gathered gradient of a
+    pass with old log-probs (the proximal policy's, off the current one so that ratios clip)
+    equals the one-process gradient of the whole batch (float64 to 1e-10, float32 to 1e-5), and
+    so do the pass's loss and metrics. The same job also checks the world-size validation, a
     dynamic-sampling step against one process's, and resumes a 2-rank FSDP2 LoRA checkpoint in
-    this (plain) process."""
-    batches = {
+    this (plain) process. The one-process numbers are computed while the job runs."""
+    fixed = {
         name: worker.fixed_batch(worker.trainer_for(dict(dtype=dtype), str(tmp_path)))
         for name, dtype in (("float64", torch.float64), ("float32", torch.float32))
     }
     cases = gradient_cases()
     job, out, lora_dir = tmp_path / "job.pt", tmp_path / "out.pt", str(tmp_path / "lora")
-    torch.save(dict(cases=cases, batches=batches, lora_dir=lora_dir), job)
-    proc = run(torchrun_command(os.path.join(TESTS, "_distributed_worker.py"), str(job), str(out)), timeout=600)
+    torch.save(dict(cases=cases, fixed=fixed, lora_dir=lora_dir), job)
+    with start_child(torchrun_command(os.path.join(TESTS, "_distributed_worker.py"), str(job), str(out))) as proc:
+        wants = {}  # world size 1: the parallelism makes no difference
+        for case in cases:
+            key = (case["batch"], repr(sorted((k, v) for k, v in case["config"].items() if k != "parallel")))
+            if key not in wants:
+                wants[key] = worker.case_gradients(case, fixed[case["batch"]], str(tmp_path))
+        one = worker.dynamic_sampling_step(str(tmp_path))
+        alone = worker.lora_run("ddp", str(tmp_path / "lora_alone"))
     assert proc.returncode == 0, proc.stderr[-5000:]
     two = torch.load(out, weights_only=False)
 
     for case, got in zip(cases, two["cases"]):
-        want = worker.case_gradients(case, batches[case["batch"]], str(tmp_path))
+        want = wants[(case["batch"], repr(sorted((k, v) for k, v in case["config"].items() if k != "parallel")))]
         tolerance = 1e-10 if case["batch"] == "float64" else 1e-5
         assert want["grads"].norm() > 0
         assert rel_err(got["grads"], want["grads"]) < tolerance, case
         assert got["sums"]["loss"] == pytest.approx(want["sums"]["loss"], rel=tolerance, abs=1e-12), case
         for key, value in want["sums"].items():  # float32 metrics
             assert got["sums"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (case, key)
+    clipped = [(c["sums"]["clip_ratio_low"] or 0) + (c["sums"]["clip_ratio_high"] or 0) for c in two["cases"]]
+    assert max(clipped) > 0  # the old log-probs reached the loss: ratios left the trust region
 
     assert "batch_size=12 gives 3 prompts per step" in two["rank_errors"]
     assert "divisible by the world size 2" in two["rank_errors"]
 
-    one = worker.dynamic_sampling_step(str(tmp_path))
     assert one["groups_dropped"] >= 1 and one["sampling_rounds"] >= 2
     assert_rows_close([two["dynamic"]], [one], rel=1e-5)
 
     # The 2-rank FSDP2 run wrote sharded checkpoints; this process, without a process group,
     # resumes the last one and runs a third step. Its first two steps match one process's.
-    alone = worker.lora_run("ddp", str(tmp_path / "lora_alone"))
     assert_rows_close(two["lora"], alone, rel=1e-4)
     config = dict(lora_r=4, gradient_checkpointing=True, steps=3, save_every=1)
     resumed = worker.trainer_for(dict(config=config), lora_dir)
@@ -136,6 +124,8 @@ DEMO = [
     "40",
     "--save-every",
     "10",
+    "--keep-checkpoints",
+    "3",
     "--no-progress",
     "--reward-funcs",
     "_distributed_worker:arithmetic_or_pause",
@@ -173,108 +163,113 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_torchrun_learns_like_one_process_and_resumes_after_a_killed_rank(tmp_path):
-    """``torchrun --nproc-per-node 2 -m grpo_fast train`` on the demo (40 steps): the samples
-    are the same as one process's, so its first 20 rows equal one process's to 1e-4. Gradients
-    summed over ranks round differently and AdamW's normalisation amplifies the difference
-    through the updates: past step 20 the two runs drift apart (measured: kl 0.4% apart at step
-    23, one sample different at step 30, grad_norm 10% at step 35), so later rows are not
-    compared across world sizes. The reward rises. A second run's rank 1 is SIGKILLed at step
-    23 (its reward function stops there): the job exits non-zero, no process is left.
-    ``--resume`` on 2 ranks continues from step 20 bit-exact against the uninterrupted run;
-    one plain process resumes the same checkpoint (resharded) and its last 20 rows equal the
-    one-process run's to 1e-3."""
-    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
-    proc = run(train_command(full))
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    rows = read_metrics(full)
-    assert [m["step"] for m in rows] == list(range(1, 41))
-
-    config = GRPOConfig(
-        steps=40, save_every=0, progress=False, reward_funcs=DEMO[-1:], output_dir=str(tmp_path / "one")
-    )
+def one_thread(run):
+    """``run()`` with one torch thread in this process, as each rank and the CLI's demo run."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank and the CLI's demo run
+    torch.set_num_threads(1)
     try:
-        alone = GRPOTrainer(config).train()
+        return run()
     finally:
         torch.set_num_threads(threads)
-    assert_rows_close(rows[:20], alone[:20], rel=1e-4)
-    first, last = tenth_means(rows)
-    assert last - first >= 0.1
-
-    paused = tmp_path / "paused"
-    launcher = subprocess.Popen(
-        train_command(cut),
-        env=child_env(GRPO_FAST_TEST_PAUSE="22", GRPO_FAST_TEST_PAUSED=str(paused)),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.time() + 240
-        while not paused.exists() and launcher.poll() is None and time.time() < deadline:
-            time.sleep(0.1)
-        assert paused.exists(), "rank 1 never reached step 23"
-        ranks = worker_pids(launcher.pid)
-        assert sorted(ranks) == [0, 1]
-        os.kill(ranks[1], signal.SIGKILL)
-        start = time.time()
-        launcher.wait(timeout=120)
-        # The job stopped because of the killed rank, not at the end of its 40 steps.
-        assert launcher.returncode != 0, f"exit {launcher.returncode} {time.time() - start:.0f} s after the kill"
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.stderr.close()
-    time.sleep(1)
-    assert not any(alive(pid) for pid in ranks.values())
-    assert ckpt.latest_checkpoint(cut) == ckpt.checkpoint_path(cut, 20)
-    assert not [d for d in os.listdir(os.path.join(cut, "checkpoints")) if d.startswith(".tmp")]
-
-    alone_dir = str(tmp_path / "cut_alone")
-    shutil.copytree(cut, alone_dir)
-    proc = run(torchrun_command("-m", "grpo_fast", "train", "--resume", "--output", cut, "--no-progress"))
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert without_timings(read_metrics(cut)) == without_timings(rows)
-
-    proc = run([sys.executable, "-m", "grpo_fast", "train", "--resume", "--output", alone_dir, "--no-progress"])
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    resumed = read_metrics(alone_dir)
-    assert [m["step"] for m in resumed] == list(range(1, 41))
-    assert without_timings(resumed[:20]) == without_timings(rows[:20])
-    assert_rows_close(resumed[20:], alone[20:], rel=1e-3)
 
 
-def test_evaluation_under_torchrun_equals_one_process_and_only_rank_0_reports(tmp_path):
-    """A 2-rank run evaluating at its end on 7 prompts (ranks take 3 and 4, sampled in chunks
-    of 2) logs the numbers that ``grpo-fast eval`` of its final/ gives on 2 ranks and on one
-    process, exactly; of its two ranks only rank 0 wrote TensorBoard events."""
-    import glob
+def wait_until(condition, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def test_torchrun_learns_like_one_process_resumes_after_a_killed_rank_and_evaluates_as_one(tmp_path):
+    """One 2-rank run of ``torchrun --nproc-per-node 2 -m grpo_fast train`` on the demo (40
+    steps, a checkpoint every 10), taken further at each stage; the one-process runs it is
+    compared with run in this process while a job runs.
+
+    Learns as one process: the samples are the same as one process's, so its first 20 rows
+    equal one process's to 1e-4. Gradients summed over ranks round differently and AdamW's
+    normalisation amplifies the difference through the updates: past step 20 the two runs
+    drift apart (measured: kl 0.4% apart at step 23, one sample different at step 30,
+    grad_norm 10% at step 35), so later rows are not compared across world sizes. The reward
+    rises.
+
+    A killed rank: a copy of the run cut back to its step-20 checkpoint is resumed on 2 ranks,
+    and its rank 1 SIGKILLed at step 33 (its reward function stops there): the job exits
+    non-zero, no process is left, the run's own step-30 checkpoint is the latest and whole.
+    ``--resume`` on 2 ranks continues from step 30 bit-exact against the uninterrupted run; one
+    plain process resumes the step-20 checkpoint (resharded) and continues as the 2-rank run
+    did: its last 20 rows equal the run's to 1e-4 (measured 1.4e-5, grad_norm). (Against the
+    one-process run from scratch they drift as the 2-rank run does: kl 0.4% apart at step 23.)
+
+    Held-out evaluation: the 2-rank resume evaluates at its end on 7 prompts (ranks take 3 and
+    4, sampled in chunks of 128 // 64 = 2); it logs the numbers that ``grpo-fast eval`` of its
+    final/ gives on 2 ranks and on one process, exactly; of its two ranks only rank 0 wrote
+    TensorBoard events."""
     import json
 
     from grpo_fast.cli import main
     from grpo_fast.tasks.arithmetic import held_out_rows
 
+    full, cut, cut_alone = str(tmp_path / "full"), str(tmp_path / "cut"), str(tmp_path / "cut_alone")
+    config = GRPOConfig(
+        steps=40, save_every=0, progress=False, reward_funcs=DEMO[-1:], output_dir=str(tmp_path / "one")
+    )
+    with start_child(train_command(full)) as proc:
+        alone = one_thread(GRPOTrainer(config).train)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    rows = read_metrics(full)
+    assert [m["step"] for m in rows] == list(range(1, 41))
+    assert_rows_close(rows[:20], alone[:20], rel=1e-4)
+    first, last = tenth_means(rows)
+    assert last - first >= 0.1
+
+    shutil.copytree(full, cut, ignore=shutil.ignore_patterns("step-000030", "step-000040", "final"))
+    assert ckpt.latest_checkpoint(cut) == ckpt.checkpoint_path(cut, 20)
+    shutil.copytree(cut, cut_alone)
+    paused = tmp_path / "paused"
+    resume = torchrun_command("-m", "grpo_fast", "train", "--resume", "--output", cut, "--no-progress")
+    with start_child(resume, timeout=120, GRPO_FAST_TEST_PAUSE="12", GRPO_FAST_TEST_PAUSED=str(paused)) as launcher:
+        # one process resumes the step-20 checkpoint meanwhile
+        assert one_thread(lambda: main(["train", "--resume", "--output", cut_alone, "--no-progress"])) == 0
+        assert wait_until(lambda: paused.exists() or launcher.poll() is not None, 240)
+        assert paused.exists(), f"rank 1 never reached step 33: {launcher.poll()}"
+        ranks = worker_pids(launcher.pid)
+        assert sorted(ranks) == [0, 1]
+        os.kill(ranks[1], signal.SIGKILL)
+        start = time.time()
+        launcher.wait(timeout=120)
+    # The job stopped because of the killed rank, not at the end of its 40 steps.
+    assert launcher.returncode != 0, f"exit {launcher.returncode} {time.time() - start:.0f} s after the kill"
+    time.sleep(1)
+    assert not any(alive(pid) for pid in ranks.values())
+    assert ckpt.latest_checkpoint(cut) == ckpt.checkpoint_path(cut, 30)
+    assert not [d for d in os.listdir(os.path.join(cut, "checkpoints")) if d.startswith(".tmp")]
+    resumed_alone = read_metrics(cut_alone)
+    assert [m["step"] for m in resumed_alone] == list(range(1, 41))
+    assert without_timings(resumed_alone[:20]) == without_timings(rows[:20])
+    assert_rows_close(resumed_alone[20:], rows[20:], rel=1e-4)
+
     data = tmp_path / "held.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in held_out_rows()[:7]))
-    run_dir, small = str(tmp_path / "run"), ["--steps", "2", "--batch-size", "8", "-G", "4", "--max-new-tokens", "3"]
-    args = ["--eval-dataset", str(data), "--eval-samples", "4", "--report-to", "tensorboard", "--no-progress"]
-    proc = run(torchrun_command("-m", "grpo_fast", "train", "--output", run_dir, *small, *args))
+    evaluation = ["--eval-dataset", str(data), "--eval-samples", "64", "--report-to", "tensorboard"]
+    proc = run_child(resume + evaluation)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    logged = {k: v for k, v in read_metrics(run_dir)[-1].items() if k.startswith("eval/")}
-    assert len(glob.glob(os.path.join(run_dir, "tensorboard", "events.*"))) == 1
+    resumed = read_metrics(cut)
+    logged = {k: resumed[-1].pop(k) for k in list(resumed[-1]) if k.startswith("eval/")}
+    assert without_timings(resumed) == without_timings(rows)
+    assert len(glob.glob(os.path.join(cut, "tensorboard", "events.*"))) == 1
 
-    final, two, one = os.path.join(run_dir, "final"), tmp_path / "two.json", tmp_path / "one.json"
-    proc = run(torchrun_command("-m", "grpo_fast", "eval", "--model", final, "--output", str(two)))
+    final, two, one = os.path.join(cut, "final"), tmp_path / "two.json", tmp_path / "one.json"
+    with start_child(torchrun_command("-m", "grpo_fast", "eval", "--model", final, "--output", str(two))) as proc:
+        assert main(["eval", "--model", final, "--output", str(one)]) == 0
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert main(["eval", "--model", final, "--output", str(one)]) == 0
     assert json.loads(two.read_text())["metrics"] == json.loads(one.read_text())["metrics"] == logged
     assert 0 < logged["eval/reward_mean"] < 1
 
 
 def test_a_failing_reward_on_one_rank_stops_the_job_with_its_error(tmp_path):
-    proc = run(train_command(str(tmp_path), "--reward-funcs", "_distributed_worker:fails_on_rank_1"), timeout=180)
+    proc = run_child(train_command(str(tmp_path), "--reward-funcs", "_distributed_worker:fails_on_rank_1"), timeout=180)
     assert proc.returncode != 0
     assert "grpo-fast: error (rank 1): reward function 'fails_on_rank_1' raised KeyError" in proc.stderr
     assert not os.path.exists(tmp_path / "metrics.jsonl")
@@ -285,7 +280,7 @@ def test_a_hanging_rank_times_out_the_job(tmp_path):
     --collective-timeout-s seconds, fails, and torchrun stops the job."""
     start = time.time()
     args = ["--reward-funcs", "_distributed_worker:hangs_on_rank_1", "--collective-timeout-s", "5"]
-    proc = run(train_command(str(tmp_path), *args), timeout=180)
+    proc = run_child(train_command(str(tmp_path), *args), timeout=180)
     # The 5 s collective timeout applied (the hanging rank sleeps far longer than the test allows).
     assert proc.returncode != 0, f"exit {proc.returncode} after {time.time() - start:.0f} s"
     assert "Timed out waiting 5000ms" in proc.stderr, proc.stderr[-3000:]
