@@ -141,24 +141,36 @@ def assert_same_step(stock, ours, batch):
         assert ours._metrics["train"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
 
 
-def loss_options(loss_type, level, beta, custom):
-    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta)
-    if custom:
-        options.update(CUSTOM, gradient_accumulation_steps=2, steps_per_generation=4)
-    return options
+@pytest.fixture(scope="module", params=[False, True], ids=["trl-defaults", "custom"])
+def trainers(request, setup):
+    """(stock, ours) for one GRPOConfig, built once for every loss type, level and beta: TRL
+    reads those three at loss time (set by :func:`use_loss_options`), grpo_fast's constructor
+    reads none of them, and beta 0.04 builds the reference model that beta 0 does without."""
+    options = dict(CUSTOM, gradient_accumulation_steps=2, steps_per_generation=4) if request.param else {}
+    pair = tuple(make_trainer(cls, setup, beta=0.04, **options) for cls in (trl.GRPOTrainer, GRPOTrainer))
+    if request.param:  # the vLLM importance-sampling correction (TRL reads these two at loss time)
+        for trainer in pair:
+            trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    return pair
+
+
+def use_loss_options(trainer, **options):
+    """Sets GRPOConfig fields on the config and on the copies TRL's constructor keeps
+    (``trainer.loss_type``, ...), and forgets the metrics of earlier steps."""
+    for name, value in options.items():
+        setattr(trainer.args, name, value)
+        setattr(trainer, name, value)
+    trainer._metrics["train"].clear()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("custom", [False, True], ids=["trl-defaults", "custom"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_compute_loss_matches_trl(setup, loss_type, level, beta, custom):
-    options = loss_options(loss_type, level, beta, custom)
-    stock, ours = make_trainer(trl.GRPOTrainer, setup, **options), make_trainer(GRPOTrainer, setup, **options)
-    if custom:  # the vLLM importance-sampling correction (TRL reads these two at loss time)
-        for trainer in (stock, ours):
-            trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+def test_compute_loss_matches_trl(trainers, loss_type, level, beta):
+    stock, ours = trainers
+    for trainer in trainers:
+        use_loss_options(trainer, loss_type=loss_type, importance_sampling_level=level, beta=beta)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing defers to TRL's path
         assert_same_step(stock, ours, make_batch(stock, beta))
