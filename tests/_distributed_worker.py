@@ -3,9 +3,8 @@
 As a script under torchrun (``torchrun --standalone --nproc-per-node 2 _distributed_worker.py
 JOB OUT``) it runs the job's cases on this rank's share of the job's fixed rollout batch and
 rank 0 saves the results to OUT; the test computes the same cases at world size 1 in its own
-process with the same functions (``_distributed_worker.py vllm DIR``: test_vllm's job). As a
-module it holds reward functions that runs of ``grpo-fast train`` name as
-``_distributed_worker:NAME`` (tests/ on PYTHONPATH).
+process with the same functions. As a module it holds reward functions that runs of
+``grpo-fast train`` name as ``_distributed_worker:NAME`` (tests/ on PYTHONPATH).
 """
 
 import dataclasses
@@ -151,25 +150,5 @@ def main(job_path: str, out_path: str) -> None:
         torch.save(results, out_path)
 
 
-def vllm_runs(output_dir: str) -> None:
-    """The demo with ``generator="vllm"`` for 2 steps under DDP, then under FSDP2, in one job
-    (each rank its own engine, shut down before the next starts; metrics in
-    ``output_dir/{ddp,fsdp}``): test_vllm's torchrun test."""
-    from grpo_fast.trainer import distributed
-
-    for parallel in ("ddp", "fsdp"):
-        config = GRPOConfig(
-            generator="vllm", parallel=parallel, steps=2, save_every=0, progress=False,
-            output_dir=os.path.join(output_dir, parallel),
-        )  # fmt: skip
-        trainer = GRPOTrainer(config)
-        trainer.train()
-        trainer.source.engine.close()
-    distributed.shutdown()
-
-
 if __name__ == "__main__":
-    if sys.argv[1] == "vllm":
-        vllm_runs(sys.argv[2])
-    else:
-        main(*sys.argv[1:])
+    main(*sys.argv[1:])

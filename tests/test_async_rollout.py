@@ -23,8 +23,8 @@ from conftest import (
     assert_rows_close,
     completion_logits,
     rel_err,
-    run_child,
     small_config,
+    start_child,
     torchrun_command,
     trl_sampling_correction,
 )
@@ -366,16 +366,15 @@ def test_torchrun_two_ranks_each_with_a_worker_train_as_one_process(tmp_path):
     summed gradients round apart; see test_distributed); the job ends with its workers."""
     args = ["--max-staleness", "1", "--steps", "3", "--save-every", "0", "--no-progress"]
     out = str(tmp_path / "two")
-    proc = run_child(torchrun_command("-m", "grpo_fast", "train", "--output-dir", out, *args), timeout=600)
+    config = GRPOConfig(max_staleness=1, steps=3, save_every=0, progress=False, output_dir=str(tmp_path / "one"))
+    threads = torch.get_num_threads()
+    with start_child(torchrun_command("-m", "grpo_fast", "train", "--output-dir", out, *args)) as proc:
+        torch.set_num_threads(2)  # one thread for the trainer, one for its worker, as each rank
+        try:
+            alone = GRPOTrainer(config).train()  # while the job runs
+        finally:
+            torch.set_num_threads(threads)
     assert proc.returncode == 0, proc.stderr[-5000:]
     rows = read_metrics(out)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # one thread for the trainer, one for its worker, as each rank
-    try:
-        alone = GRPOTrainer(
-            GRPOConfig(max_staleness=1, steps=3, save_every=0, progress=False, output_dir=str(tmp_path / "one"))
-        ).train()
-    finally:
-        torch.set_num_threads(threads)
     assert [m["staleness"] for m in rows] == [m["staleness"] for m in alone] == [0, 1, 1]
     assert_rows_close(rows, alone, rel=1e-4)
