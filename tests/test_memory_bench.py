@@ -1,5 +1,7 @@
 """The memory benchmark: the tiny preset end to end (JSON with every key, PNG), and clear errors."""
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -18,12 +20,23 @@ RESULT_KEYS = (
 )
 
 
-@pytest.mark.slow
-def test_tiny_preset_writes_every_key(tmp_path, capsys):
-    json_path, plot_path = tmp_path / "memory.json", tmp_path / "memory.png"
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny preset through the CLI, every configuration, run once for the tests below:
+    (exit code, stdout, stderr, JSON path, plot path)."""
+    folder = tmp_path_factory.mktemp("memory")
+    json_path, plot_path = folder / "memory.json", folder / "memory.png"
     argv = ["--preset", "tiny", "--repeats", "1", "--jobs", "4", "--json", str(json_path), "--plot", str(plot_path)]
-    code = memory.main(argv)
-    assert code == 0, capsys.readouterr().err
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = memory.main(argv)
+    return code, out.getvalue(), err.getvalue(), json_path, plot_path
+
+
+@pytest.mark.slow
+def test_tiny_preset_writes_every_key(tiny):
+    code, table, err, json_path, plot_path = tiny
+    assert code == 0, err
     results = json.loads(json_path.read_text())
     for name in memory.CONFIGS:
         assert "error" not in results[name], results[name]
@@ -44,7 +57,6 @@ def test_tiny_preset_writes_every_key(tmp_path, capsys):
     assert results["meta"]["settings"]["preset"] == "tiny"
     assert set(results["meta"]["ratios"]) >= {"grpo_fused/ppo", "grpo_fused/grpo_eager"}
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    table = capsys.readouterr().out
     assert "| config | peak MB |" in table and "grpo_fused_linear" in table
 
 
@@ -80,10 +92,11 @@ def test_model_path_that_is_not_a_causal_lm(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_processes_report_each_rank(tmp_path, parallel):
+def test_two_processes_report_each_rank(tmp_path, parallel, tiny):
     """--nproc 2 runs the worker under torchrun: one result per rank, the peak is the larger;
-    DDP ranks hold whole replicas, FSDP2 ranks shards that add up to one replica."""
-    one = memory.run_memory_benchmark(preset="tiny", configs=["grpo_fused"], repeats=1)["grpo_fused"]
+    DDP ranks hold whole replicas, FSDP2 ranks shards that add up to one replica (the one-process
+    run of the same configuration is the tiny preset's)."""
+    one = json.loads(tiny[3].read_text())["grpo_fused"]
     two = memory.run_memory_benchmark(
         preset="tiny", configs=["grpo_fused"], repeats=1, nproc=2, parallel=parallel, json_path=str(tmp_path / "m.json")
     )
