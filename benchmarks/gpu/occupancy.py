@@ -42,6 +42,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGETS = (80, 90)
@@ -309,8 +310,8 @@ def specialisation(fn, args, options) -> str:
     return " ".join(parts)
 
 
-def compile_launches(launches: list, knobs: bool) -> list:
-    """Compiles each distinct launch for every target; returns one row per compiled kernel."""
+def compile_launches(launches: list, knobs: bool, cc: int) -> list:
+    """Compiles each distinct launch for sm_``cc``; returns one row per compiled kernel."""
     import importlib
 
     from triton.backends.compiler import GPUTarget
@@ -329,49 +330,46 @@ def compile_launches(launches: list, knobs: bool) -> list:
             jobs.setdefault(key, dict(launch=launch, args=args, options=options, knob=knob, scenarios=[]))
             jobs[key]["scenarios"].append(launch["scenario"])
 
-    rows = []
-    for cc in TARGETS:
-        driver.set_active(TargetDriver(GPUTarget("cuda", cc, 32)))
-        seen = {}
-        for job in jobs.values():
-            module, name = job["launch"]["kernel"].split(":")
-            fn = getattr(importlib.import_module(module), name)
-            fn.device_caches.clear()  # a binder built for the previous target would be reused
-            args = [rebuild(job["args"][p]) for p in fn.arg_names]
-            options = dict(job["options"])
-            row = dict(
-                kernel=name,
-                cc=cc,
-                constexprs={
-                    p: job["args"][p]["value"] for p in fn.arg_names if fn.params[fn.arg_names.index(p)].is_constexpr
-                },
-                num_warps=options.get("num_warps", 4),
-                knob_variant=job["knob"],
-            )
-            log = io.StringIO()
-            try:
-                with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG prints ptxas -v here
-                    kernel = fn.warmup(*args, grid=(1,), **options)
-                row["specialisation"] = specialisation(fn, args, options)
-            except Exception as error:  # a compile error is a finding, reported in the row
-                row.update(error=f"{type(error).__name__}: {str(error).strip()[:2000]}", scenarios=job["scenarios"])
-                rows.append(row)
-                continue
-            key = (name, kernel.hash)
-            if key in seen:  # another launch that specialised to the same binary
-                seen[key]["scenarios"] += [s for s in job["scenarios"] if s not in seen[key]["scenarios"]]
-                continue
-            row.update(
-                res_usage(kernel.asm["cubin"]),
-                **spills(log.getvalue()),
-                dynamic_shared=kernel.metadata.shared,
-                pipelined=".shared" in kernel.asm["ptx"] and "cp.async" in kernel.asm["ptx"],
-                bytes_per_element=_element_bytes(job["args"][fn.arg_names[0]]),
-                scenarios=list(job["scenarios"]),
-            )
-            row.update(occupancy(row, cc))
-            seen[key] = row
+    rows, seen = [], {}
+    driver.set_active(TargetDriver(GPUTarget("cuda", cc, 32)))
+    for job in jobs.values():
+        module, name = job["launch"]["kernel"].split(":")
+        fn = getattr(importlib.import_module(module), name)
+        args = [rebuild(job["args"][p]) for p in fn.arg_names]
+        options = dict(job["options"])
+        row = dict(
+            kernel=name,
+            cc=cc,
+            constexprs={
+                p: job["args"][p]["value"] for p in fn.arg_names if fn.params[fn.arg_names.index(p)].is_constexpr
+            },
+            num_warps=options.get("num_warps", 4),
+            knob_variant=job["knob"],
+        )
+        log = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG prints ptxas -v here
+                kernel = fn.warmup(*args, grid=(1,), **options)
+            row["specialisation"] = specialisation(fn, args, options)
+        except Exception as error:  # a compile error is a finding, reported in the row
+            row.update(error=f"{type(error).__name__}: {str(error).strip()[:2000]}", scenarios=job["scenarios"])
             rows.append(row)
+            continue
+        key = (name, kernel.hash)
+        if key in seen:  # another launch that specialised to the same binary
+            seen[key]["scenarios"] += [s for s in job["scenarios"] if s not in seen[key]["scenarios"]]
+            continue
+        row.update(
+            res_usage(kernel.asm["cubin"]),
+            **spills(log.getvalue()),
+            dynamic_shared=kernel.metadata.shared,
+            pipelined=".shared" in kernel.asm["ptx"] and "cp.async" in kernel.asm["ptx"],
+            bytes_per_element=_element_bytes(job["args"][fn.arg_names[0]]),
+            scenarios=list(job["scenarios"]),
+        )
+        row.update(occupancy(row, cc))
+        seen[key] = row
+        rows.append(row)
     return rows
 
 
@@ -467,7 +465,7 @@ def main():
         return 0
     if args.step == "compile":
         request = json.load(sys.stdin)
-        print(json.dumps(compile_launches(request["launches"], request["knobs"])))
+        print(json.dumps(compile_launches(request["launches"], request["knobs"], request["cc"])))
         return 0
 
     if args.launches and os.path.exists(args.launches):
@@ -479,8 +477,13 @@ def main():
             with open(args.launches, "w") as f:
                 json.dump(launches, f)
     with tempfile.TemporaryDirectory() as cache:  # an empty cache: every kernel is built, so ptxas reports it
-        request = json.dumps(dict(launches=launches, knobs=args.knobs))
-        rows = run_step("compile", {"TRITON_CACHE_DIR": cache, "TRITON_DUMP_PTXAS_LOG": "1"}, request)
+        env = {"TRITON_CACHE_DIR": cache, "TRITON_DUMP_PTXAS_LOG": "1"}
+
+        def compile_for(cc):
+            return run_step("compile", env, json.dumps(dict(launches=launches, knobs=args.knobs, cc=cc)))
+
+        with ThreadPoolExecutor(len(TARGETS)) as pool:  # a process per target, at once (cache keys differ by target)
+            rows = [row for part in pool.map(compile_for, TARGETS) for row in part]
     for row in rows:
         row["problems"] = [] if row["knob_variant"] else problems(row)
     print_table(rows)
