@@ -94,8 +94,10 @@ def test_lora_policy_syncs_merged_weights(engine):
 
 
 def test_a_rollout_longer_than_the_engine_context_is_refused(engine):
-    """``vllm_max_model_len`` is the engine's context; a prompt plus max_new_tokens beyond it is
-    refused when sampled (here at the trainer's first rollout, before any update), naming the fix."""
+    """``vllm_max_model_len`` is the engine's context; a prompt plus max_new_tokens beyond it
+    (which ``check_model`` cannot see without max_prompt_length) is refused when sampled, so at
+    a trainer's first rollout, before any update; the error names the fix. The shared engine
+    stands in for a trainer's: a fresh engine would start only to refuse."""
     config = engine.config
     assert engine.llm.llm_engine.model_config.max_model_len == CONTEXT
     engine.config = dataclasses.replace(config, max_new_tokens=CONTEXT - 3)
