@@ -44,8 +44,9 @@ def venv_dir() -> str:
     pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
     subprocess.run([*pip, *REQUIREMENTS], check=True, timeout=1200)
     # pip byte-compiles one file at a time (40 s of torch's 55 s install); compileall uses every
-    # core. Without the .pyc files every process of the dry run would compile torch as it imports it.
-    subprocess.run([python, "-m", "compileall", "-q", "-j", "0", os.path.join(building, "lib")], check=True)
+    # core. Without the .pyc files every process of the dry run would compile torch as it imports
+    # it. A file that does not compile stays without one, as pip leaves it: no check.
+    subprocess.run([python, "-m", "compileall", "-qq", "-j", "0", os.path.join(building, "lib")], check=False)
     open(os.path.join(building, "ready"), "w").close()
     shutil.rmtree(path, ignore_errors=True)
     os.rename(building, path)  # atomic: a half-built environment is never reused
