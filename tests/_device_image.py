@@ -40,13 +40,8 @@ def venv_dir() -> str:
     building = f"{path}.building-{os.getpid()}"
     shutil.rmtree(building, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", building], check=True)
-    python = os.path.join(building, "bin", "python3")
-    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
+    pip = [os.path.join(building, "bin", "python3"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, *REQUIREMENTS], check=True, timeout=1200)
-    # pip byte-compiles one file at a time (40 s of torch's 55 s install); compileall uses every
-    # core. Without the .pyc files every process of the dry run would compile torch as it imports
-    # it. A file that does not compile stays without one, as pip leaves it: no check.
-    subprocess.run([python, "-m", "compileall", "-qq", "-j", "0", os.path.join(building, "lib")], check=False)
     open(os.path.join(building, "ready"), "w").close()
     shutil.rmtree(path, ignore_errors=True)
     os.rename(building, path)  # atomic: a half-built environment is never reused
