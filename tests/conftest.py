@@ -185,7 +185,7 @@ def run_child(command: list, timeout: float = 300, **env) -> subprocess.Complete
 
 
 @contextlib.contextmanager
-def start_child(command: list, timeout: float = 600, **env):
+def start_child(command: list, timeout: float = 300, **env):
     """Starts ``command`` in :func:`child_env` (``env`` added) and yields its Popen, so that the
     block can work while it runs; on leaving, waits for its end (killing it after ``timeout``
     seconds, or at once when the block raised) and sets its ``stderr`` to the text it wrote."""
