@@ -80,10 +80,12 @@ def _number_or_str(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo-fast", description="Fast, lean GRPO training.")
+    # No abbreviations: argparse would otherwise read --lr as --lr-schedule.
+    parser = argparse.ArgumentParser(prog="grpo-fast", description="Fast, lean GRPO training.", allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
         "train",
+        allow_abbrev=False,
         help="train a policy with GRPO (no arguments: the built-in demo)",
         description="Train with GRPO. Without --model/--dataset: a tiny model learns single-digit "
         "addition on the CPU in about 15 seconds (2 cores).",
@@ -105,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
             options.add_argument(*names, type=kind, metavar=field.name.upper(), **common)
     evaluate = commands.add_parser(
         "eval",
+        allow_abbrev=False,
         help="evaluate a model folder: mean rewards, pass@1 and pass@n on held-out prompts",
         description="Evaluate a model folder (a run's final/ or checkpoint model, or any local Hugging Face "
         "model) as training's --eval-every does. A folder inside a run (its config.yaml one level up) starts "
@@ -219,13 +222,25 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def dashed(argv: list) -> list:
+    """``argv`` with each flag's name spelled with dashes: ``--learning_rate 0.1`` and
+    ``--learning-rate=0.1`` alike, as Hugging Face's argument parser takes both spellings."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--"):
+            name, sep, value = arg.partition("=")
+            arg = name.replace("_", "-") + sep + value
+        out.append(arg)
+    return out
+
+
 def main(argv=None) -> int:
     from grpo_fast.trainer.checkpoint import CheckpointError
     from grpo_fast.trainer.rollout import RewardError
     from grpo_fast.trainer.trackers import TrackerUnavailable
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(dashed(sys.argv[1:] if argv is None else argv))
     try:
         if args.command == "bench":  # the benchmark's module is imported only when it runs
             from grpo_fast.bench import memory

@@ -7,7 +7,7 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from grpo_fast.cli import build_parser, main, make_config
+from grpo_fast.cli import build_parser, dashed, main, make_config
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer.run_log import METRIC_KEYS, read_metrics, tenth_means
@@ -113,6 +113,24 @@ def test_the_cli_imports_benchmarks_only_for_the_bench_command():
     code = "import sys, grpo_fast.cli; print(any(m.startswith('grpo_fast.bench') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_flags_take_both_spellings_and_no_abbreviations(tmp_path, capsys):
+    """``--learning_rate`` is ``--learning-rate`` (Hugging Face's parsers take both); ``--lr``
+    is no flag, where argparse would have read it as ``--lr-schedule``."""
+    parser = build_parser()
+    dashes = make_config(parser.parse_args(dashed(["train", "--learning-rate", "0.25", "--no-log-entropy"])))
+    underscores = make_config(parser.parse_args(dashed(["train", "--learning_rate=0.25", "--no-log_entropy"])))
+    assert dashes == underscores and dashes.learning_rate == 0.25 and dashes.log_entropy is False
+    assert dashed(["--output", "runs/a_b", "--max_new_tokens", "3"]) == [
+        "--output",
+        "runs/a_b",
+        "--max-new-tokens",
+        "3",
+    ]
+    with pytest.raises(SystemExit):
+        main(["train", "--output", str(tmp_path), "--lr", "0.1"])
+    assert "unrecognized arguments: --lr 0.1" in capsys.readouterr().err
 
 
 def test_an_optional_flag_takes_the_word_none(capsys):
