@@ -37,6 +37,7 @@ EVAL_FLAGS = {
     "reward_funcs": ["--reward-funcs"],
     "reward_weights": ["--reward-weights"],
     "generator": ["--generator"],
+    "model_revision": ["--model-revision"],
     "seed": ["--seed"],
     "max_new_tokens": ["--max-new-tokens"],
     "max_prompt_length": ["--max-prompt-length"],
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model) as training's --eval-every does. A folder inside a run (its config.yaml one level up) starts "
         "from that run's settings, so with its seed it gives the numbers the run logged at its last step.",
     )
-    evaluate.add_argument("--model", required=True, help="the model folder (save_pretrained)")
+    evaluate.add_argument("--model", required=True, help="the model: a folder (save_pretrained) or a Hub name")
     evaluate.add_argument(
         "--dataset",
         help="eval prompts, as train's --dataset; default: the run's eval_dataset, or the demo's held-out sums",

@@ -75,6 +75,22 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
+def test_an_unreachable_hub_model_is_one_clear_error_before_anything_loads(tmp_path):
+    """Offline (HF_HUB_OFFLINE=1), a Hub name not in the cache exits 2 with the name, "offline
+    or not found" and how to pass a local folder, from train and eval alike."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    for command in (["train", "--output", str(tmp_path / "run")], ["eval", "--output", str(tmp_path / "e.json")]):
+        argv = [sys.executable, "-m", "grpo_fast", *command, "--model", "nobody/no-such-model"]
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert "model 'nobody/no-such-model' (revision default): offline or not found on the Hub" in proc.stderr
+        assert "--model ./my-model" in proc.stderr
+    assert not os.path.exists(tmp_path / "run")  # nothing was written: it failed before the run
+
+
 def test_resume_from_a_corrupt_checkpoint_exits_2(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert main(["train", "--output", out, *SMALL]) == 0

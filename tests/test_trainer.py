@@ -327,6 +327,37 @@ def test_model_from_a_save_pretrained_folder(tmp_path):
     assert len(read_metrics(str(tmp_path / "run"))) == 2
 
 
+def test_a_hub_model_name_reaches_from_pretrained_unchanged(tmp_path, monkeypatch):
+    """``model`` may be a Hub name: it and its revision go to ``from_pretrained`` as given (no
+    network here: the loaders are stand-ins that record their arguments); a path-like name
+    must be a folder."""
+    import transformers
+
+    from grpo_fast.trainer import grpo
+    from grpo_fast.trainer.config import is_local_path
+
+    calls, checked = [], []
+    tokenizer = build_tokenizer()
+
+    def loader(made):
+        return classmethod(lambda cls, name, **kwargs: calls.append((cls.__name__, name, kwargs)) or made)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loader(tokenizer))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loader(build_model(tokenizer)))
+    monkeypatch.setattr(grpo, "check_model_source", checked.append)
+    trainer = GRPOTrainer(small_config(tmp_path, model="org/tiny-model", model_revision="v1"))
+    assert [c.model for c in checked] == ["org/tiny-model"]  # reachable before anything loads
+    assert [(cls, name, kwargs["revision"]) for cls, name, kwargs in calls] == [
+        ("AutoTokenizer", "org/tiny-model", "v1"),
+        ("AutoModelForCausalLM", "org/tiny-model", "v1"),
+    ]
+    assert trainer.tokenizer is tokenizer and "local_files_only" not in calls[1][2]
+    assert not is_local_path("Qwen/Qwen2.5-0.5B-Instruct") and not is_local_path("gpt2")
+    assert all(is_local_path(p) for p in ("/models/x", "./x", "~/x", "a/b/c", str(tmp_path)))
+    with pytest.raises(ValueError, match="model path './no-such-folder' is not a directory"):
+        small_config(tmp_path, model="./no-such-folder").validate()
+
+
 def test_dataset_rows_and_reward_columns(tmp_path):
     path = tmp_path / "sums.jsonl"
     path.write_text("".join(json.dumps({"question": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(4)))

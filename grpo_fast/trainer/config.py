@@ -33,7 +33,11 @@ class GRPOConfig(LossConfig):
     beta: float = option(0.005, "weight of the KL penalty to the reference model (0 = no reference model)")
 
     # what to train, on what
-    model: str | None = option(None, "local model folder for from_pretrained; None = the built-in tiny model")
+    model: str | None = option(
+        None,
+        "a Hub name (Qwen/Qwen2.5-0.5B-Instruct) or a local folder, as from_pretrained takes; None = the demo model",
+    )
+    model_revision: str | None = option(None, "the Hub model's branch, tag or commit; None = its default branch")
     dataset: str | None = option(None, "JSONL / CSV / datasets.save_to_disk folder; None = the arithmetic demo")
     prompt_column: str = option("prompt", "dataset column holding the prompt")
     answer_column: str | None = option(None, "dataset column holding the reference answer, passed to rewards")
@@ -279,8 +283,8 @@ class GRPOConfig(LossConfig):
         if self.eval_temperature is not None:
             require(self.eval_temperature > 0, f"eval_temperature must be > 0, got {self.eval_temperature!r}")
         check_trackers(self.report_to)
-        if self.model is not None:
-            require(os.path.isdir(self.model), f"model path {self.model!r} is not a directory (nothing is downloaded)")
+        if self.model is not None and is_local_path(self.model):
+            require(os.path.isdir(self.model), f"model path {self.model!r} is not a directory")
         for name in ("dataset", "eval_dataset"):
             path = getattr(self, name)
             require(path is None or os.path.exists(path), f"{name} path {path!r} does not exist")
@@ -326,3 +330,10 @@ def check_device(name: str, value: str) -> None:
     count = torch.cuda.device_count()
     if count == 0 or (device.index or 0) >= count:
         raise ValueError(f"{name}={value!r} does not exist: this machine has {count} CUDA device(s)")
+
+
+def is_local_path(name: str) -> bool:
+    """Whether a ``model`` (or similar) names a local folder rather than a Hub repository: it
+    exists here, or reads as a path (absolute, ``./``, ``~``, or more than one ``/``, which a
+    Hub name ``org/name`` never has)."""
+    return os.path.exists(name) or name.startswith((os.sep, ".", "~")) or name.count("/") > 1

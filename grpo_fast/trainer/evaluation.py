@@ -171,8 +171,9 @@ def evaluate_model(config) -> dict:
     import transformers
 
     from grpo_fast.tasks import resolve_rewards
-    from grpo_fast.trainer.model import load_model_and_tokenizer
+    from grpo_fast.trainer.model import check_model_source, load_model_and_tokenizer
 
+    check_model_source(config)
     transformers.set_seed(config.seed)
     runtime = Runtime.start(config)
     model, tokenizer = load_model_and_tokenizer(config, runtime.flash_attention())

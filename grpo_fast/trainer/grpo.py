@@ -44,7 +44,13 @@ from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.data import DataOrder
 from grpo_fast.trainer.generators import make_generator
 from grpo_fast.trainer.metrics import log_line
-from grpo_fast.trainer.model import load_model_and_tokenizer, make_reference, prepare_policy, wrap_modules
+from grpo_fast.trainer.model import (
+    check_model_source,
+    load_model_and_tokenizer,
+    make_reference,
+    prepare_policy,
+    wrap_modules,
+)
 from grpo_fast.trainer.optimization import adamw, clipped_step, load_schedule_state, lr_scheduler, schedule_state
 from grpo_fast.trainer.packing import pack_micro_batches
 from grpo_fast.trainer.rollout import Samples
@@ -80,6 +86,8 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None, rows=None, reward_funcs=None):
         config.validate()
+        if model is None:
+            check_model_source(config)
         self.config = config
         self.loss_config = config.loss_config()
         set_seed(config.seed)

@@ -9,14 +9,35 @@ import torch
 
 from grpo_fast.spec import LossConfig
 from grpo_fast.trainer import distributed
+from grpo_fast.trainer.config import is_local_path
 from grpo_fast.trainer.packed_policy import PackedPolicy, filler
 from grpo_fast.trainer.packing import Packed
 
 
+def check_model_source(config) -> None:
+    """Raises ValueError, before anything loads, when ``config.model`` is a Hub name that
+    cannot be reached: not in the local cache and offline (``HF_HUB_OFFLINE=1``, or no
+    network), or not on the Hub (a typo, a private repository). Its config file is what is
+    fetched (a few KB), so a reachable model costs nothing more here."""
+    if config.model is None or is_local_path(config.model):
+        return
+    from transformers.utils import cached_file
+
+    try:
+        cached_file(config.model, "config.json", revision=config.model_revision)
+    except OSError as exc:
+        raise ValueError(
+            f"model {config.model!r} (revision {config.model_revision or 'default'}): offline or not found on the "
+            f"Hub ({str(exc).splitlines()[0]}); pass a local folder that from_pretrained reads "
+            "(--model ./my-model), or connect and unset HF_HUB_OFFLINE"
+        ) from exc
+
+
 def load_model_and_tokenizer(config, flash_attention: bool = False):
-    """The policy and tokenizer: from ``config.model`` (a local path) or the built-in demo.
-    ``flash_attention`` loads the model with ``flash_attention_2``, whose varlen kernels run
-    the packed forwards (see ``packing.py``)."""
+    """The policy and tokenizer: ``config.model`` (a Hub name at ``config.model_revision``, or
+    a local folder) through ``from_pretrained``, or the built-in demo. ``flash_attention``
+    loads the model with ``flash_attention_2``, whose varlen kernels run the packed forwards
+    (see ``packing.py``)."""
     if config.model is None:
         from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 
@@ -27,11 +48,13 @@ def load_model_and_tokenizer(config, flash_attention: bool = False):
         return build_model(tokenizer, seed=config.seed, **heads), tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(config.model, revision=config.model_revision)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     attention = dict(attn_implementation="flash_attention_2") if flash_attention else {}
-    model = AutoModelForCausalLM.from_pretrained(config.model, local_files_only=True, dtype=torch.float32, **attention)
+    model = AutoModelForCausalLM.from_pretrained(
+        config.model, revision=config.model_revision, dtype=torch.float32, **attention
+    )
     return model, tokenizer
 
 

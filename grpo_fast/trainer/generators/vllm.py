@@ -1,7 +1,8 @@
 """The vLLM engine: a ``vllm.LLM`` colocated in the trainer's process, synced in memory.
 
-    start     from the policy's weights: the ``--model`` folder, or a copy of the policy
-              saved to a temporary folder (the built-in model, a model passed in)
+    start     from the policy's weights: ``--model`` (a folder or a Hub name at
+              ``--model-revision``), or a copy of the policy saved to a temporary folder
+              (the built-in model, a model passed in)
     sample    one request per prompt with n = G (one prefill per group, prefix cache on),
               temperature / top-k / top-p / max tokens from the config, stop at EOS; the
               log-probs of the sampled tokens after temperature (vLLM's processed log-probs)
@@ -159,6 +160,7 @@ class VLLMGenerator(Generator):
             distributed = launched_by_torchrun()
             self.llm = vllm.LLM(
                 model=source,
+                revision=config.model_revision if config.model is not None else None,
                 skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer decodes
                 dtype=dtype,
                 seed=config.seed,
