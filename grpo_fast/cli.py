@@ -38,6 +38,8 @@ EVAL_FLAGS = {
     "reward_weights": ["--reward-weights"],
     "generator": ["--generator"],
     "model_revision": ["--model-revision"],
+    "dataset_config": ["--dataset-config"],
+    "eval_split": ["--eval-split"],
     "seed": ["--seed"],
     "max_new_tokens": ["--max-new-tokens"],
     "max_prompt_length": ["--max-prompt-length"],

@@ -46,6 +46,21 @@ def write_saved_dataset_dict(path, rows):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(path))
 
 
+def write_parquet(path, rows):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+
+
+def write_hub_layout(path, rows):
+    """A Hub dataset's files on disk: Parquet shards of each split under data/, as
+    ``huggingface-cli download`` leaves them; the test split holds other rows."""
+    datasets = pytest.importorskip("datasets")
+    os.makedirs(path / "data")
+    datasets.Dataset.from_list(rows[:2]).to_parquet(str(path / "data" / "train-00000-of-00002.parquet"))
+    datasets.Dataset.from_list(rows[2:]).to_parquet(str(path / "data" / "train-00001-of-00002.parquet"))
+    datasets.Dataset.from_list(rows[:1]).to_parquet(str(path / "data" / "test-00000-of-00001.parquet"))
+
+
 @pytest.mark.parametrize(
     "writer, name",
     [
@@ -54,8 +69,10 @@ def write_saved_dataset_dict(path, rows):
         (write_csv, "data.csv"),
         (write_saved_dataset, "saved"),
         (write_saved_dataset_dict, "saved_dict"),
+        (write_parquet, "data.parquet"),
+        (write_hub_layout, "hub_layout"),
     ],
-    ids=["jsonl", "json", "csv", "save_to_disk", "save_to_disk-dict"],
+    ids=["jsonl", "json", "csv", "save_to_disk", "save_to_disk-dict", "parquet", "hub-layout"],
 )
 def test_round_trip_through_each_loader(tmp_path, writer, name):
     path = tmp_path / name
@@ -64,6 +81,42 @@ def test_round_trip_through_each_loader(tmp_path, writer, name):
     assert [r["prompt"] for r in rows] == [r["prompt"] for r in ROWS]
     assert [r["answer"] for r in rows] == EXPECTED_ANSWERS
     assert [r["level"] for r in rows] == ["1", "2", "3"]  # other columns are kept
+
+
+def test_a_split_of_a_folder_and_a_hub_name_through_load_dataset(tmp_path, monkeypatch):
+    """A folder's other split by name; a name that is no local path goes to
+    ``datasets.load_dataset(name, config, split=...)`` as given (a stand-in here: no network)."""
+    datasets = pytest.importorskip("datasets")
+    write_hub_layout(tmp_path / "gsm", ROWS)
+    assert [r["answer"] for r in load_prompt_dataset(str(tmp_path / "gsm"), split="test")] == EXPECTED_ANSWERS[:1]
+    with pytest.raises(ValueError, match=r"holds splits \['test', 'train'\], not 'validation'"):
+        load_prompt_dataset(str(tmp_path / "gsm"), split="validation")
+    calls = []
+
+    def load_dataset(name, config=None, split=None):
+        calls.append((name, config, split))
+        return datasets.Dataset.from_list(ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    rows = load_prompt_dataset("openai/gsm8k", config="main", split="train")
+    assert calls == [("openai/gsm8k", "main", "train")] and [r["answer"] for r in rows] == EXPECTED_ANSWERS
+
+
+def test_an_unreachable_hub_dataset_is_one_clear_error(tmp_path):
+    """Offline, a Hub dataset name not in the cache is a ValueError naming it (a fresh process:
+    the offline switch is read when the libraries load)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from grpo_fast.tasks.datasets import load_prompt_dataset\n"
+        "try:\n    load_prompt_dataset('nobody/no-such-dataset', config='main')\n"
+        "except ValueError as exc:\n    print(exc)\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120).stdout
+    assert "dataset 'nobody/no-such-dataset' (config main, split train): offline or not found on the Hub" in out
+    assert "--dataset ./data.jsonl" in out
 
 
 def test_custom_columns_and_math_solution_column(tmp_path):

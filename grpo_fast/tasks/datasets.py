@@ -1,9 +1,12 @@
-"""Prompt datasets from local files: JSONL, JSON, CSV, or a Hugging Face `datasets` folder.
+"""Prompt datasets: a local file (JSONL, JSON, CSV, Parquet), a folder (``save_to_disk``, or
+Parquet/JSON shards as a Hub dataset lies on disk), or a Hub dataset by name.
 
     rows = load_prompt_dataset("grpo_fast/tasks/data/sample_math.jsonl", tokenizer=tok)
+    rows = load_prompt_dataset("openai/gsm8k", config="main", split="train", tokenizer=tok)
     rows[0] -> {"prompt": "<chat-formatted question>", "answer": "18", "question": ..., ...}
 
-Nothing is downloaded: `path` is a file or a folder written by `Dataset.save_to_disk`.
+A name that is not a local path goes to ``datasets.load_dataset`` (``HF_HUB_OFFLINE=1`` and the
+local cache honoured, as every Hugging Face tool does).
 """
 
 import csv
@@ -13,6 +16,13 @@ import os
 from grpo_fast.rewards.math_answer import reference_answer
 
 SAMPLE_MATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample_math.jsonl")
+
+
+def is_local_path(name: str) -> bool:
+    """Whether a ``model`` (or similar) names a local folder rather than a Hub repository: it
+    exists here, or reads as a path (absolute, ``./``, ``~``, or more than one ``/``, which a
+    Hub name ``org/name`` never has)."""
+    return os.path.exists(name) or name.startswith((os.sep, ".", "~")) or name.count("/") > 1
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -40,27 +50,59 @@ def _read_csv(path: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def _read_saved_dataset(path: str) -> list[dict]:
+def _datasets():
     try:
-        from datasets import DatasetDict, load_from_disk
+        import datasets
     except ImportError as exc:
-        raise ImportError(
-            f'{path} is a folder: reading a save_to_disk dataset needs `pip install "grpo-fast[data]"`'
+        raise ImportError('reading this dataset needs the datasets library: pip install "grpo-fast[data]"') from exc
+    return datasets
+
+
+def _one_split(data, where: str, split: str | None):
+    """The rows of ``split`` (default: "train", or the only split) of a DatasetDict, or of a Dataset."""
+    if not isinstance(data, _datasets().DatasetDict):
+        return data.to_list()
+    if split is not None or "train" in data or len(data) != 1:
+        split = split or "train"
+        if split not in data:
+            raise ValueError(f"{where} holds splits {sorted(data)}, not {split!r}: pass one of them as the split")
+        return data[split].to_list()
+    return next(iter(data.values())).to_list()
+
+
+def _read_folder(path: str, split: str | None) -> list[dict]:
+    """A ``save_to_disk`` folder, or a folder of Parquet / JSON(L) / CSV shards (a Hub dataset's
+    files on disk; ``datasets`` takes its splits from the file names)."""
+    datasets = _datasets()
+    if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
+        return _one_split(datasets.load_from_disk(path), path, split)
+    return _one_split(datasets.load_dataset(path), path, split)
+
+
+def _read_parquet(path: str) -> list[dict]:
+    return _datasets().load_dataset("parquet", data_files=path, split="train").to_list()
+
+
+def _read_hub(name: str, config: str | None, split: str | None) -> list[dict]:
+    """A Hub dataset's split; ValueError naming it when it cannot be reached."""
+    datasets = _datasets()
+    try:
+        return _one_split(datasets.load_dataset(name, config, split=split), name, split)
+    except (ConnectionError, FileNotFoundError, OSError, datasets.exceptions.DatasetNotFoundError) as exc:
+        raise ValueError(
+            f"dataset {name!r} (config {config or 'default'}, split {split or 'train'}): offline or not found on the "
+            f"Hub ({str(exc).splitlines()[0]}); pass a local file or folder (--dataset ./data.jsonl), or connect "
+            "and unset HF_HUB_OFFLINE"
         ) from exc
-    data = load_from_disk(path)
-    if isinstance(data, DatasetDict):
-        if "train" in data:
-            data = data["train"]
-        elif len(data) == 1:
-            data = next(iter(data.values()))
-        else:
-            raise ValueError(
-                f"{path} holds splits {sorted(data)}; pass the folder of one split or save a 'train' split"
-            )
-    return data.to_list()
 
 
-_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv}
+_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv, ".parquet": _read_parquet}
+
+
+def is_dataset_path(name: str) -> bool:
+    """Whether a dataset name is a local path: :func:`is_local_path`, or a data file's name
+    (``data/train.jsonl``), which a Hub name never is."""
+    return is_local_path(name) or os.path.splitext(name)[1].lower() in _READERS
 
 
 def _format_prompt(prompt, tokenizer, system_prompt: str | None, row_index: int) -> str:
@@ -90,11 +132,15 @@ def load_prompt_dataset(
     answer_column: str | None = None,
     tokenizer=None,
     system_prompt: str | None = None,
+    config: str | None = None,
+    split: str | None = None,
 ) -> list[dict]:
     """Rows of prompts (and reference answers) for training.
 
-    path: a .jsonl / .json / .csv file, or a folder written by `datasets.Dataset.save_to_disk`
-        (a DatasetDict folder gives its "train" split).
+    path: a .jsonl / .json / .csv / .parquet file, a folder (written by ``save_to_disk``, or
+        of Parquet/JSON shards), or a Hub dataset name (``openai/gsm8k``).
+    config, split: the Hub dataset's configuration (``main``) and split (default "train", or
+        a folder's only split).
     prompt_column: the column holding the prompt (a str, or a list of chat messages).
     answer_column: the column with the reference answer or solution; default "answer" when
         present, else "solution" (MATH). Its final answer (GSM8K "#### 42", MATH "\\boxed{}")
@@ -109,14 +155,16 @@ def load_prompt_dataset(
         raise TypeError(f"path must be a file or folder path, got {type(path).__name__}")
     path = os.fspath(path)
     if os.path.isdir(path):
-        rows = _read_saved_dataset(path)
+        rows = _read_folder(path, split)
     elif os.path.isfile(path):
         ext = os.path.splitext(path)[1].lower()
         if ext not in _READERS:
-            raise ValueError(f"path must end in {sorted(_READERS)} or be a save_to_disk folder, got {path!r}")
+            raise ValueError(f"path must end in {sorted(_READERS)} or be a dataset folder, got {path!r}")
         rows = _READERS[ext](path)
-    else:
+    elif is_dataset_path(path):
         raise FileNotFoundError(f"no dataset file or folder at {path!r}")
+    else:
+        rows = _read_hub(path, config, split)
     columns = list(rows[0]) if rows else []
     if rows and prompt_column not in rows[0]:
         raise ValueError(f"prompt_column {prompt_column!r} is not in {path}; its columns are {columns}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option
+from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
 from grpo_fast.trainer.distributed import PARALLEL
 from grpo_fast.trainer.generators import ENGINES
 from grpo_fast.trainer.trackers import TRACKERS, check_trackers
@@ -38,7 +39,11 @@ class GRPOConfig(LossConfig):
         "a Hub name (Qwen/Qwen2.5-0.5B-Instruct) or a local folder, as from_pretrained takes; None = the demo model",
     )
     model_revision: str | None = option(None, "the Hub model's branch, tag or commit; None = its default branch")
-    dataset: str | None = option(None, "JSONL / CSV / datasets.save_to_disk folder; None = the arithmetic demo")
+    dataset: str | None = option(
+        None, "a Hub dataset name (openai/gsm8k), or a JSONL / CSV / Parquet file or dataset folder; None = the demo"
+    )
+    dataset_config: str | None = option(None, "the Hub dataset's configuration (gsm8k: main); also the eval dataset's")
+    dataset_split: str | None = option(None, "the training split of a dataset with splits; None = train")
     prompt_column: str = option("prompt", "dataset column holding the prompt")
     answer_column: str | None = option(None, "dataset column holding the reference answer, passed to rewards")
     system_prompt: str | None = option(None, "system message for chat-template prompts")
@@ -128,6 +133,7 @@ class GRPOConfig(LossConfig):
 
     # held-out evaluation
     eval_dataset: str | None = option(None, "held-out prompts, as --dataset; None = the demo's held-out sums")
+    eval_split: str = option("test", "the split of an eval dataset with splits")
     eval_every: int = option(
         0, "evaluate every k steps and at the end; 0 = at the end if eval_dataset is given, else never"
     )
@@ -285,9 +291,12 @@ class GRPOConfig(LossConfig):
         check_trackers(self.report_to)
         if self.model is not None and is_local_path(self.model):
             require(os.path.isdir(self.model), f"model path {self.model!r} is not a directory")
-        for name in ("dataset", "eval_dataset"):
+        for name in ("dataset", "eval_dataset"):  # a Hub name is checked when it loads, before the model
             path = getattr(self, name)
-            require(path is None or os.path.exists(path), f"{name} path {path!r} does not exist")
+            require(
+                path is None or not is_dataset_path(path) or os.path.exists(path),
+                f"{name} path {path!r} does not exist",
+            )
 
     def _validate_asynchrony(self, require) -> None:
         """max_staleness and what it needs: a generation device that exists, options that work
@@ -330,10 +339,3 @@ def check_device(name: str, value: str) -> None:
     count = torch.cuda.device_count()
     if count == 0 or (device.index or 0) >= count:
         raise ValueError(f"{name}={value!r} does not exist: this machine has {count} CUDA device(s)")
-
-
-def is_local_path(name: str) -> bool:
-    """Whether a ``model`` (or similar) names a local folder rather than a Hub repository: it
-    exists here, or reads as a path (absolute, ``./``, ``~``, or more than one ``/``, which a
-    Hub name ``org/name`` never has)."""
-    return os.path.exists(name) or name.startswith((os.sep, ".", "~")) or name.count("/") > 1

@@ -63,6 +63,8 @@ def load_eval_rows(config, tokenizer=None) -> list:
         prompt_column=config.prompt_column,
         answer_column=config.answer_column,
         system_prompt=config.system_prompt,
+        config=config.dataset_config,
+        split=config.eval_split,
     )
 
 

@@ -141,6 +141,8 @@ class GRPOTrainer:
             prompt_column=config.prompt_column,
             answer_column=config.answer_column,
             system_prompt=config.system_prompt,
+            config=config.dataset_config,
+            split=config.dataset_split,
         )
 
     def _make_source(self):
