@@ -7,7 +7,7 @@ the sampling knobs, the :class:`~grpo_fast.trainer.runtime.Runtime` it samples i
 module in this folder and one row of :data:`ENGINES`; ``--generator NAME`` picks it.
 :class:`Generator` declares what else an engine may say or do, with defaults: whether its
 log-probs drift from the trainer's, whether it samples with the policy itself, how it learns
-of new weights (``publish``), its share of the log line, how it stops.
+of new weights (``publish``), its share of the log line.
 """
 
 import contextlib
@@ -75,9 +75,6 @@ class Generator:
     def metrics(self) -> dict:
         """The engine's share of the step's log line (timings), reset on read."""
         return {}
-
-    def close(self) -> None:
-        """Releases what the engine holds beyond Python's garbage collection."""
 
 
 def make_generator(name: str, model, tokenizer, config, runtime=None) -> Generator:
