@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 if os.environ.get("GRPO_FAST_TEST_CUDA") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -206,3 +207,13 @@ def start_child(command: list, timeout: float = 300, **env):
                     proc.wait()
             err.seek(0)
             proc.stderr = err.read()
+
+
+def wait_until(condition, timeout: float) -> bool:
+    """Whether ``condition()`` holds within ``timeout`` seconds (polled every 0.1 s)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()

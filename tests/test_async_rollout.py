@@ -27,6 +27,7 @@ from conftest import (
     start_child,
     torchrun_command,
     trl_sampling_correction,
+    wait_until,
 )
 
 from grpo_fast import reference
@@ -270,15 +271,6 @@ def gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
-
-
-def wait_until(condition, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 TRAINER_SCRIPT = textwrap.dedent(

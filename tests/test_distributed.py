@@ -29,6 +29,7 @@ from conftest import (
     run_child,
     start_child,
     torchrun_command,
+    wait_until,
     without_timings,
 )
 
@@ -171,15 +172,6 @@ def one_thread(run):
         return run()
     finally:
         torch.set_num_threads(threads)
-
-
-def wait_until(condition, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 def test_torchrun_learns_like_one_process_resumes_after_a_killed_rank_and_evaluates_as_one(tmp_path):

@@ -127,7 +127,7 @@ class Evaluator:
         if not self.rows:
             raise ValueError("the eval dataset has no rows")
         check_reward_columns(self.rows, self.reward_funcs)
-        self.runtime = self.runtime or Runtime(next(self.model.parameters()).device)
+        self.runtime = self.runtime or Runtime.of(self.model)
         temperature = config.temperature if config.eval_temperature is None else config.eval_temperature
         # the engine reads its sampling knobs from the config: the eval's temperature in a copy
         sampling = dataclasses.replace(config, temperature=temperature)

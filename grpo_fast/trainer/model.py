@@ -8,8 +8,8 @@ import warnings
 import torch
 
 from grpo_fast.spec import LossConfig
+from grpo_fast.tasks.datasets import is_local_path
 from grpo_fast.trainer import distributed
-from grpo_fast.trainer.config import is_local_path
 from grpo_fast.trainer.packed_policy import PackedPolicy, filler
 from grpo_fast.trainer.packing import Packed
 

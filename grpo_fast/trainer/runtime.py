@@ -42,6 +42,12 @@ class Runtime:
         device = torch.device(device)
         return cls(device, Ranks(device), config.bf16(device))
 
+    @classmethod
+    def of(cls, model) -> "Runtime":
+        """The default for a model used outside a run: a single process at float32 on the
+        model's device."""
+        return cls(next(model.parameters()).device)
+
     def autocast(self):
         """bf16 autocast on CUDA when asked; a no-op context otherwise."""
         if self.bf16 and self.device.type == "cuda":

@@ -59,7 +59,7 @@ class Generator:
         from grpo_fast.trainer.runtime import Runtime
 
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.runtime = runtime or Runtime(next(model.parameters()).device)
+        self.runtime = runtime or Runtime.of(model)
 
     def generate(self, prompts: list, group_size: int, keys: list) -> Generation:
         """Samples ``group_size`` completions of each prompt. ``keys`` [num_prompts] int
