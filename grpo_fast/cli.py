@@ -21,7 +21,7 @@ import sys
 import types
 import typing
 
-from grpo_fast.trainer.config import GRPOConfig
+from grpo_fast.trainer.config import TOPICS, TRL_ALIASES, TRL_INSTEAD, GRPOConfig
 
 BENCHMARKS = {
     "memory": "peak memory and step time of one training step: ppo, grpo_eager, grpo_fused, grpo_fused_linear"
@@ -82,6 +82,32 @@ def _number_or_str(text: str):
         return text
 
 
+def _add_field(group, field: dataclasses.Field, aliases: list) -> None:
+    """A config field's flag: --name-with-dashes and its aliases, typed from the annotation."""
+    names = [f"--{field.name.replace('_', '-')}"] + aliases
+    kind, nargs = _flag_type(field)
+    default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    common = dict(dest=field.name, default=None, help=f"{field.metadata['help']} (default: {default})")
+    if kind is bool:
+        group.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
+    elif nargs:
+        element = _number_or_str if field.name == "reward_weights" else str
+        group.add_argument(*names, nargs=nargs, type=element, **common)
+    else:
+        group.add_argument(*names, type=kind, metavar=field.name.upper(), **common)
+
+
+class _TRLOnly(argparse.Action):
+    """A TRL flag with no setting of the same meaning here: an error that says what to use."""
+
+    def __init__(self, *args, instead: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is TRL's and has no equivalent here: use {self.instead}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     # No abbreviations: argparse would otherwise read --lr as --lr-schedule.
     parser = argparse.ArgumentParser(prog="grpo-fast", description="Fast, lean GRPO training.", allow_abbrev=False)
@@ -90,24 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         allow_abbrev=False,
         help="train a policy with GRPO (no arguments: the built-in demo)",
+        usage="%(prog)s [--config FILE] [--resume] [--FLAG VALUE ...]",
         description="Train with GRPO. Without --model/--dataset: a tiny model learns single-digit "
         "addition on the CPU in about 15 seconds (2 cores).",
     )
     train.add_argument("--config", help="YAML file of config keys; flags given here override it")
     train.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
-    options = train.add_argument_group("config (every GRPOConfig field)")
-    for field in dataclasses.fields(GRPOConfig):
-        names = [f"--{field.name.replace('_', '-')}"] + _ALIASES.get(field.name, [])
-        kind, nargs = _flag_type(field)
-        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-        common = dict(dest=field.name, default=None, help=f"{field.metadata['help']} (default: {default})")
-        if kind is bool:
-            options.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
-        elif nargs:
-            element = _number_or_str if field.name == "reward_weights" else str
-            options.add_argument(*names, nargs=nargs, type=element, **common)
-        else:
-            options.add_argument(*names, type=kind, metavar=field.name.upper(), **common)
+    fields = {field.name: field for field in dataclasses.fields(GRPOConfig)}
+    trl_names = {}
+    for trl, ours in TRL_ALIASES.items():
+        trl_names.setdefault(ours, []).append(f"--{trl.replace('_', '-')}")
+    for topic, names in TOPICS.items():
+        group = train.add_argument_group(topic)
+        for name in names:
+            _add_field(group, fields[name], _ALIASES.get(name, []) + trl_names.get(name, []))
+    for trl, instead in TRL_INSTEAD.items():
+        train.add_argument(
+            f"--{trl.replace('_', '-')}", nargs="?", action=_TRLOnly, instead=instead, help=argparse.SUPPRESS
+        )
     evaluate = commands.add_parser(
         "eval",
         allow_abbrev=False,
@@ -162,11 +188,11 @@ def make_config(args: argparse.Namespace) -> GRPOConfig:
 
 
 def train(args: argparse.Namespace) -> int:
+    config = make_config(args)  # validated before torch loads: a bad setting fails in a moment
     import torch
 
     from grpo_fast.trainer import GRPOTrainer, distributed
 
-    config = make_config(args)
     if config.model is None and not torch.cuda.is_available():
         # The demo's matrices are 64 wide: one thread beats two that synchronise every op.
         torch.set_num_threads(1)
@@ -208,10 +234,10 @@ def evaluate(args: argparse.Namespace) -> int:
     """Prints the eval metrics as a table (rank 0) and writes them, with the settings, as JSON."""
     import json
 
+    config = eval_config(args)
     from grpo_fast.trainer import distributed
     from grpo_fast.trainer.evaluation import evaluate_model
 
-    config = eval_config(args)
     metrics = evaluate_model(config)
     if int(os.environ.get("RANK", 0)) == 0:
         width = max(len(key) for key in metrics)
@@ -237,11 +263,16 @@ def dashed(argv: list) -> list:
     return out
 
 
-def main(argv=None) -> int:
-    from grpo_fast.trainer.checkpoint import CheckpointError
+def _run_errors() -> tuple:
+    """What a run's input can cause besides ValueError and FileNotFoundError: one line and
+    exit code 2, not a traceback (imported when a run has failed: rollout's module loads torch)."""
     from grpo_fast.trainer.rollout import RewardError
     from grpo_fast.trainer.trackers import TrackerUnavailable
 
+    return RewardError, TrackerUnavailable
+
+
+def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(dashed(sys.argv[1:] if argv is None else argv))
     try:
@@ -250,7 +281,9 @@ def main(argv=None) -> int:
 
             return memory.main(args.options, prog=f"{parser.prog} bench {args.benchmark}")
         return evaluate(args) if args.command == "eval" else train(args)
-    except (ValueError, FileNotFoundError, CheckpointError, RewardError, TrackerUnavailable) as exc:
+    except Exception as exc:
+        if not isinstance(exc, (ValueError, FileNotFoundError)) and not isinstance(exc, _run_errors()):
+            raise
         rank = os.environ.get("RANK")  # set by torchrun
         where = f" (rank {rank})" if rank is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
         print(f"grpo-fast: error{where}: {exc}", file=sys.stderr)

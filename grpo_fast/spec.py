@@ -26,14 +26,19 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+from grpo_fast._lazy import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+else:  # the options below validate without torch: the command line checks a run before torch loads
+    torch = LazyModule("torch", globals())
 
 SCALES = ("group", "batch", "none")
 
 
-def accumulate_dtype(x: torch.Tensor) -> torch.dtype:
+def accumulate_dtype(x: "torch.Tensor") -> "torch.dtype":
     """The dtype every op computes in: float64 for float64 inputs, float32 for the rest."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -60,7 +65,9 @@ class Aggregation(NamedTuple):
     per_row_mean: bool
     denominator: Callable
 
-    def token_weights(self, mask: torch.Tensor, row_len: torch.Tensor, rows: int, config: "LossConfig", num_items=None):
+    def token_weights(
+        self, mask: "torch.Tensor", row_len: "torch.Tensor", rows: int, config: "LossConfig", num_items=None
+    ):
         """dL/dper_token, the shape of ``mask`` ([B, T] or flat [Nc]): 0 on padding. ``row_len``
         is the active-token count of each token's row, broadcastable to ``mask`` ([B, 1] on a
         grid); ``rows`` the number of rows, empty ones included."""
@@ -173,7 +180,7 @@ KL_ESTIMATORS = {
 }
 
 
-def grid_row_sum(x: torch.Tensor) -> torch.Tensor:
+def grid_row_sum(x: "torch.Tensor") -> "torch.Tensor":
     """Each row's sum on a [B, T] grid, [B, 1]."""
     return x.sum(-1, keepdim=True)
 
@@ -202,11 +209,11 @@ def per_token_loss(w, logp, adv, ref, iw, c: "LossConfig"):
     return (pg if c.beta == 0 else pg + c.beta * kl), kl
 
 
-@torch.no_grad()
 def loss_metrics(w, adv, kl, entropy, m, c: "LossConfig") -> dict:
     """The logged metrics, TRL's definitions: 0-dim float32 means of the KL, clip flags, ratio
     and entropy over active tokens (m [B, T]); sequence-level ratios ([B, 1]) over sequences.
-    kl and entropy may be None."""
+    kl and entropy may be None. Outside autograd: the inputs are detached."""
+    w, adv, kl, entropy, m = (None if x is None else x.detach() for x in (w, adv, kl, entropy, m))
     n_active = m.sum().clamp(min=1.0)
 
     def batch_mean(x):  # [B, 1] at T = 1 is still token-level: masked tokens do not count
@@ -225,7 +232,7 @@ def loss_metrics(w, adv, kl, entropy, m, c: "LossConfig") -> dict:
     )
 
 
-def without_padding(m: torch.Tensor, *tensors):
+def without_padding(m: "torch.Tensor", *tensors):
     """The tensors shaped like the mask m with 0 where m is 0 (others, and None, unchanged), so
     that whatever a padded position holds (an overflowing reference log-prob, an infinite
     log-prob, NaN) reaches neither the loss nor its gradient: its weight is 0, and 0 * inf
@@ -260,8 +267,8 @@ class SamplingCorrection(NamedTuple):
     row's tokens), 0 on padding; ratio: [B, T] (token modes) or [B, 1] (sequence modes), the
     bounded ratio as TRL logs it."""
 
-    weights: torch.Tensor
-    ratio: torch.Tensor
+    weights: "torch.Tensor"
+    ratio: "torch.Tensor"
 
 
 def check_sampling_correction(mode, clip_min, clip_max) -> None:
@@ -277,9 +284,9 @@ def check_sampling_correction(mode, clip_min, clip_max) -> None:
 
 
 def sampling_correction(
-    proximal: torch.Tensor,
-    behaviour: torch.Tensor,
-    mask: torch.Tensor,
+    proximal: "torch.Tensor",
+    behaviour: "torch.Tensor",
+    mask: "torch.Tensor",
     *,
     mode: str = "sequence_mask",
     clip_min: float | None = None,

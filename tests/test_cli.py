@@ -110,16 +110,81 @@ def test_console_script_points_at_main():
     assert exit_info.value.code == 0
 
 
-def test_every_train_flag_has_a_help_line_with_its_default(capsys):
+def test_every_train_flag_has_a_help_line_with_its_default_under_its_topic(capsys):
+    """``train --help`` lists every config field once, under its topic (TOPICS, the docs' flag
+    table's order), with its help and default."""
     import dataclasses
 
-    from grpo_fast.trainer import GRPOConfig
+    from grpo_fast.trainer.config import TOPICS, GRPOConfig
 
+    grouped = [name for names in TOPICS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(GRPOConfig)), "each field in one topic"
+    assert len(grouped) == len(set(grouped))
     with pytest.raises(SystemExit):
         main(["train", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
+    text = capsys.readouterr().out
+    headers = [text.index(f"\n{topic}:\n") for topic in TOPICS]
+    assert headers == sorted(headers)
+    text = " ".join(text.split())
     for field in dataclasses.fields(GRPOConfig):
-        assert f"{field.metadata['help']} (default:" in " ".join(text.split()), field.name
+        assert f"{field.metadata['help']} (default:" in text, field.name
+
+
+def test_help_and_a_bad_setting_answer_before_torch_loads():
+    """``--help`` and a config error come from the parser and the config's validation alone:
+    torch (about 2 s to import on 2 cores) is not imported, and each answers in under 2 s."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom grpo_fast.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
+        "except SystemExit as exc:\n    code = exc.code\nprint('torch' in sys.modules, code)"
+    )
+    for argv, expected in (
+        (["--help"], "False 0"),
+        (["train", "--help"], "False 0"),
+        (["train", "--learning-rate", "-1"], "False 2"),
+        (["train", "--loss-type", "nope"], "False 2"),
+        (["train", "--model", "/no/such/model"], "False 2"),
+    ):
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+        elapsed = time.perf_counter() - start
+        assert proc.stdout.strip().splitlines()[-1] == expected, (argv, proc.stdout, proc.stderr)
+        assert elapsed < 2.0, (argv, elapsed)
+
+
+def test_trl_names_are_taken_as_ours(tmp_path, capsys):
+    """TRL's users' flags and YAML keys: ``--learning_rate 1e-6 --num_generations 8`` runs; TRL's
+    ``max_completion_length`` alone sets the generation length (and dr_grpo's normaliser), as in
+    TRL; a TRL name with no setting here, or given beside ours, is an error saying what to use."""
+    import yaml
+
+    from grpo_fast.trainer.config import GRPOConfig
+
+    out = str(tmp_path / "run")
+    argv = ["train", "--learning_rate", "1e-6", "--num_generations", "8", "--max_completion_length", "3"]
+    assert main([*argv, "--output", out, "--steps", "2", "--batch-size", "16", "--no-progress"]) == 0
+    saved = yaml.safe_load(open(os.path.join(out, "config.yaml")))
+    assert (saved["learning_rate"], saved["group_size"], saved["max_new_tokens"]) == (1e-6, 8, 3)
+    assert len(read_metrics(out)) == 2
+
+    path = tmp_path / "trl.yaml"
+    path.write_text("num_generations: 4\nmax_steps: 7\nepsilon_high: 0.28\nscale_rewards: false\n")
+    config = GRPOConfig.from_yaml(str(path), batch_size=8)
+    assert (config.group_size, config.steps, config.eps_high, config.advantage_scale) == (4, 7, 0.28, "none")
+    both = GRPOConfig.from_dict({"max_completion_length": 64, "max_new_tokens": 16, "loss_type": "dr_grpo"})
+    assert (both.max_new_tokens, both.loss_config().max_completion_length) == (16, 64)
+    with pytest.raises(ValueError, match="'per_device_train_batch_size' is TRL's .* use batch_size"):
+        GRPOConfig.from_dict({"per_device_train_batch_size": 4})
+    with pytest.raises(ValueError, match="'num_generations' is TRL's name of 'group_size': give one"):
+        GRPOConfig.from_dict({"num_generations": 4, "group_size": 8})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--gradient_accumulation_steps", "4"])
+    assert exit_info.value.code == 2
+    assert "--gradient-accumulation-steps is TRL's and has no equivalent here: use max_tokens_per_micro_batch" in (
+        capsys.readouterr().err
+    )
 
 
 def test_the_cli_imports_benchmarks_only_for_the_bench_command():

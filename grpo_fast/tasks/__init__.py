@@ -8,8 +8,6 @@ Reward functions are named in configs: ``"arithmetic"`` (the demo's), a reward f
 import importlib
 from collections.abc import Callable
 
-from grpo_fast.tasks.arithmetic import arithmetic_reward
-
 DEMO_REWARDS = ("arithmetic",)
 DATASET_REWARDS = ("math_reward",)
 
@@ -20,7 +18,9 @@ def get_reward_function(name) -> Callable:
         return name
     if not isinstance(name, str):
         raise TypeError(f"reward_funcs entries must be names or callables, got {name!r}")
-    if name == "arithmetic":
+    if name == "arithmetic":  # imported here: the demo's module loads torch and transformers
+        from grpo_fast.tasks.arithmetic import arithmetic_reward
+
         return arithmetic_reward
     if ":" in name:
         module_name, _, attr = name.partition(":")

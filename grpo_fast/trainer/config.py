@@ -9,16 +9,14 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-import torch
-
 from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option
 from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
-from grpo_fast.trainer.distributed import PARALLEL
 from grpo_fast.trainer.generators import ENGINES
 from grpo_fast.trainer.trackers import TRACKERS, check_trackers
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
+PARALLEL = ("ddp", "fsdp")  # under torchrun: each rank a replica, or a shard (FSDP2)
 
 
 @dataclass
@@ -57,7 +55,11 @@ class GRPOConfig(LossConfig):
     batch_size: int = option(128, "completions per step")
     group_size: int = option(16, "G, completions per prompt")
     max_prompt_length: int | None = option(None, "longer prompts keep their last tokens; None = no limit")
-    max_new_tokens: int = option(4, "completion length limit (also dr_grpo's max_completion_length when unset)")
+    max_new_tokens: int = option(
+        4,
+        "completion length limit (also dr_grpo's max_completion_length when unset; max_completion_length given "
+        "alone, TRL's name, sets both)",
+    )
     top_p: float = option(1.0, "nucleus sampling threshold in (0, 1]")
     top_k: int = option(0, "sample among the k most likely tokens only; 0 = all")
     generator: str = option("sampler", f"generation engine: {', '.join(ENGINES)}")
@@ -130,6 +132,10 @@ class GRPOConfig(LossConfig):
     log_completions_every: int = option(
         50, "every k steps (and at the end) a sample of rollout rows to completions.jsonl and tracker tables; 0 = off"
     )
+    push_to_hub: bool = option(False, "at the end, upload final/ and its model card (README.md) to hub_model_id")
+    hub_model_id: str | None = option(
+        None, "push_to_hub's repository, user/name or org/name; None = the output folder's name, under your account"
+    )
 
     # held-out evaluation
     eval_dataset: str | None = option(None, "held-out prompts, as --dataset; None = the demo's held-out sums")
@@ -175,7 +181,9 @@ class GRPOConfig(LossConfig):
 
     @classmethod
     def from_dict(cls, values: dict) -> "GRPOConfig":
-        """Builds and validates a config; unknown keys are a ValueError that names them."""
+        """Builds and validates a config; TRL's names of our settings are taken as ours
+        (:data:`TRL_ALIASES`), and unknown keys are a ValueError that names them."""
+        values = from_trl_names(values)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -328,6 +336,8 @@ class GRPOConfig(LossConfig):
 
 def check_device(name: str, value: str) -> None:
     """Raises ValueError unless ``value`` names a device of this machine: cpu, cuda, cuda:N."""
+    import torch
+
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError) as exc:
@@ -339,3 +349,170 @@ def check_device(name: str, value: str) -> None:
     count = torch.cuda.device_count()
     if count == 0 or (device.index or 0) >= count:
         raise ValueError(f"{name}={value!r} does not exist: this machine has {count} CUDA device(s)")
+
+
+# The flags by topic, in the order of `grpo-fast train --help` and of the docs' flag table.
+TOPICS = {
+    "model and data": (
+        "model",
+        "model_revision",
+        "dataset",
+        "dataset_config",
+        "dataset_split",
+        "prompt_column",
+        "answer_column",
+        "system_prompt",
+        "max_prompt_length",
+        "output_dir",
+        "seed",
+    ),
+    "rewards": ("reward_funcs", "reward_weights"),
+    "rollout": (
+        "steps",
+        "batch_size",
+        "group_size",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "dynamic_sampling",
+        "max_sampling_rounds",
+        "num_iterations",
+    ),
+    "generation engine": (
+        "generator",
+        "compile_generation",
+        "vllm_gpu_memory_utilization",
+        "vllm_sleep_level",
+        "vllm_enforce_eager",
+        "vllm_prefix_cache",
+        "vllm_max_model_len",
+    ),
+    "asynchronous rollouts and off-policy samples": (
+        "max_staleness",
+        "generation_device",
+        "sampling_correction",
+        "sampling_correction_min",
+        "sampling_correction_max",
+    ),
+    "loss": (
+        "loss_type",
+        "beta",
+        "eps_low",
+        "eps_high",
+        "delta",
+        "dual_clip",
+        "importance_sampling",
+        "kl_estimator",
+        "kl_bias_correction",
+        "advantage_scale",
+        "max_completion_length",
+        "sapo_tau_pos",
+        "sapo_tau_neg",
+    ),
+    "optimisation": (
+        "learning_rate",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "warmup_steps",
+        "lr_schedule",
+        "max_grad_norm",
+        "max_tokens_per_micro_batch",
+        "micro_batch_size",
+    ),
+    "memory and speed": (
+        "precision",
+        "gradient_checkpointing",
+        "fused_linear",
+        "log_entropy",
+        "lora_r",
+        "lora_alpha",
+        "lora_target_modules",
+    ),
+    "devices": ("device", "parallel", "collective_timeout_s"),
+    "checkpoints, logging and the Hub": (
+        "save_every",
+        "keep_checkpoints",
+        "progress",
+        "report_to",
+        "log_completions_every",
+        "push_to_hub",
+        "hub_model_id",
+    ),
+    "held-out evaluation": (
+        "eval_dataset",
+        "eval_split",
+        "eval_every",
+        "eval_samples",
+        "eval_temperature",
+        "eval_pass_threshold",
+    ),
+}
+
+# TRL's names (GRPOConfig, TrainingArguments and its script arguments) that mean what one of
+# ours does: taken as ours in a YAML file and on the command line (--num_generations 8).
+TRL_ALIASES = {
+    "num_generations": "group_size",
+    "max_steps": "steps",
+    "epsilon": "eps_low",
+    "epsilon_high": "eps_high",
+    "sapo_temperature_pos": "sapo_tau_pos",
+    "sapo_temperature_neg": "sapo_tau_neg",
+    "importance_sampling_level": "importance_sampling",
+    "use_bias_correction_kl": "kl_bias_correction",
+    "scale_rewards": "advantage_scale",
+    "lr_scheduler_type": "lr_schedule",
+    "save_steps": "save_every",
+    "save_total_limit": "keep_checkpoints",
+    "eval_steps": "eval_every",
+    "vllm_max_model_length": "vllm_max_model_len",
+    "vllm_importance_sampling_mode": "sampling_correction",
+    "vllm_importance_sampling_clip_min": "sampling_correction_min",
+    "vllm_importance_sampling_clip_max": "sampling_correction_max",
+    "model_name_or_path": "model",
+    "dataset_name": "dataset",
+    "dataset_train_split": "dataset_split",
+    "dataset_test_split": "eval_split",
+}
+
+# TRL's names with no setting of the same meaning here, and what to use instead.
+TRL_INSTEAD = {
+    "per_device_train_batch_size": "batch_size, the completions of one step over every rank (TRL's "
+    "per_device_train_batch_size x processes x gradient_accumulation_steps)",
+    "gradient_accumulation_steps": "max_tokens_per_micro_batch or micro_batch_size: a step is one optimizer "
+    "update over batch_size completions, accumulated over micro-batches that fit in memory",
+    "generation_batch_size": "batch_size: each step samples batch_size completions",
+    "steps_per_generation": "num_iterations, the optimisation passes over each rollout batch",
+    "num_train_epochs": "steps",
+    "use_vllm": "generator vllm",
+    "vllm_mode": "generator vllm (the engine in the trainer's process, TRL's colocate mode) or max_staleness "
+    ">= 1 (a worker samples ahead of the trainer, on generation_device)",
+    "vllm_enable_sleep_mode": "vllm_sleep_level",
+    "vllm_importance_sampling_correction": "sampling_correction (None turns it off)",
+    "bf16": "precision bf16",
+    "fp16": "precision bf16 (fp16 is not supported) or fp32",
+    "logging_steps": "nothing: every step is logged (log_completions_every for completions)",
+    "log_completions": "log_completions_every",
+    "per_device_eval_batch_size": "eval_samples, the completions per eval prompt",
+}
+
+
+def from_trl_names(values: dict) -> dict:
+    """``values`` with TRL's names of our settings renamed to ours (:data:`TRL_ALIASES`); a TRL
+    name we have no setting for is a ValueError that says which of ours to use. TRL's
+    ``max_completion_length`` limits generation and is dr_grpo's normaliser: given without
+    ``max_new_tokens`` it sets both, as in TRL."""
+    out = {}
+    for key, value in values.items():
+        if key in TRL_INSTEAD:
+            raise ValueError(f"{key!r} is TRL's and has no equivalent here: use {TRL_INSTEAD[key]}")
+        name = TRL_ALIASES.get(key, key)
+        if name in out or (name != key and name in values):
+            raise ValueError(f"{key!r} is TRL's name of {name!r}: give one of the two, not both")
+        if key == "scale_rewards" and isinstance(value, bool):  # TRL's older boolean form
+            value = "group" if value else "none"
+        out[name] = value
+    if out.get("max_completion_length") is not None and "max_new_tokens" not in out:
+        out["max_new_tokens"] = out["max_completion_length"]
+    return out

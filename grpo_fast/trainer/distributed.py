@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-PARALLEL = ("ddp", "fsdp")
+from grpo_fast.trainer.config import PARALLEL
 
 
 def launched_by_torchrun() -> bool:

@@ -10,11 +10,18 @@ log-probs drift from the trainer's, whether it samples with the policy itself, h
 of new weights (``publish``), its share of the log line.
 """
 
+from __future__ import annotations
+
 import contextlib
 import importlib
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+from grpo_fast._lazy import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+else:  # the config names the engines before torch loads
+    torch = LazyModule("torch", globals())
 
 # name -> "module:Class", imported only when picked (an engine may need an optional package).
 ENGINES = {
