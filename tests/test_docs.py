@@ -1,0 +1,139 @@
+"""The documentation: the MkDocs site builds with no warning, every page is in its nav, the
+README stays a front door, and the README's headline numbers are those of the JSON they cite."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+README_MAX_LINES = 200
+
+
+def read(*path):
+    with open(os.path.join(ROOT, *path), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_mkdocs_build_strict(tmp_path):
+    for module in ("mkdocs", "material", "mkdocstrings_handlers.python"):
+        pytest.importorskip(module, reason="the docs tools are in the test extra: pip install -e '.[test]'")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "site" / "index.html").is_file()
+
+
+def nav_pages(entries):
+    for entry in entries:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        if isinstance(value, list):
+            yield from nav_pages(value)
+        else:
+            yield value
+
+
+def test_every_page_is_in_the_nav():
+    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as f:
+        config = yaml.safe_load(f)  # plain YAML: no !!python tags
+    nav = list(nav_pages(config["nav"]))
+    pages = sorted(name for name in os.listdir(DOCS) if name.endswith(".md"))
+    assert sorted(nav) == pages, "docs/*.md and mkdocs.yml's nav must list the same pages"
+    assert len(nav) == len(set(nav))
+
+
+def test_readme_is_a_front_door():
+    readme = read("README.md")
+    lines = readme.splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines: move a topic to docs/"
+    # .ci/run runs the line after "# run the tests"; the main job's line stays beside it.
+    for marker, command in [("# run the main job", "grpo-fast train"), ("# run the tests", "python -m pytest")]:
+        assert marker in lines, marker
+        assert command in lines[lines.index(marker) + 1]
+    for page in re.findall(r"\]\((docs/[^)#]+)", readme):
+        assert os.path.isfile(os.path.join(ROOT, page)), page
+
+
+def test_nothing_cites_outside_the_repository():
+    texts = {"README.md": read("README.md")}
+    texts.update({f"docs/{name}": read("docs", name) for name in os.listdir(DOCS) if name.endswith(".md")})
+    for name, text in texts.items():
+        assert "../" not in text, f"{name} cites a path outside its folder or the repository"
+
+
+# The headline table: each row cites one JSON file of benchmarks/results/ (its last cell); the
+# numbers its "number" cell prints, in order, recomputed from that file with the same rounding.
+def ops_loss_bf16(data):
+    rows = {(r["name"], r["impl"]): r for r in data["results"]}
+    plain, fused = rows["loss_bf16_32k", "plain"], rows["loss_bf16_32k", "fused"]
+    return [f"{plain['median_s'] / fused['median_s']:.2f}x", f"{fused['peak_bytes'] / plain['peak_bytes']:.2f}x"]
+
+
+def fused_linear(data):
+    rows = {r["impl"]: r for r in data["results"]}
+    eager, fused = rows["eager"], rows["fused"]
+    return [f"{fused['peak_bytes'] / eager['peak_bytes']:.3f}x", f"{fused['median_s'] / eager['median_s']:.2f}x"]
+
+
+def trl_update(data):
+    ours = data["results"]["update"]["grpo_fast"]
+    return [f"{ours['time_vs_trl']:.2f}x", f"{ours['peak_vs_trl']:.2f}x"]
+
+
+def trainer_speed(data):
+    results = data["results"]
+    return [f"{results['grpo_fast']['steps_per_s'] / results['trl']['steps_per_s']:.2f}x"]
+
+
+def grpo_vs_ppo(data):
+    return [f"{data['grpo_fused_linear']['peak_bytes'] / data['ppo']['peak_bytes']:.3f}x"]
+
+
+def async_speed(data):
+    results = data["results"]
+    return [f"{results['async_k1']['steps_per_s'] / results['sync_1thread']['steps_per_s']:.2f}x"]
+
+
+HEADLINES = {
+    "ops_cpu.json": ops_loss_bf16,
+    "fused_linear_cpu.json": fused_linear,
+    "trl_cpu.json": trl_update,
+    "trainer_cpu_realistic.json": trainer_speed,
+    "memory_cpu_100m.json": grpo_vs_ppo,
+    "async_cpu_realistic.json": async_speed,
+}
+
+
+def headline_rows(text):
+    section = text.split("## Headline numbers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # past the header and rule
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_headline_numbers_match_their_json(page):
+    rows = headline_rows(read(page))
+    cited = []
+    for result, number, command, source in rows:
+        name = source.strip("`")
+        cited.append(name)
+        assert name in HEADLINES, f"{page}: no check for the row citing {name!r} ({result})"
+        with open(os.path.join(RESULTS, name), encoding="utf-8") as f:
+            expected = HEADLINES[name](json.load(f))
+        printed = re.findall(r"\d+(?:\.\d+)?x", number)
+        assert printed == expected, f"{page}: {result}: prints {printed}, {name} gives {expected}"
+        script = re.match(r"`python ([^\s`]+)", command)
+        assert script is None or os.path.isfile(os.path.join(ROOT, script.group(1))), command
+        assert command.startswith(("`python benchmarks/", "`grpo-fast ")), command
+    assert sorted(cited) == sorted(HEADLINES), f"{page}: the headline table cites {cited}"
