@@ -77,14 +77,16 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, args, message):
 
 def test_an_unreachable_hub_model_is_one_clear_error_before_anything_loads(tmp_path):
     """Offline (HF_HUB_OFFLINE=1), a Hub name not in the cache exits 2 with the name, "offline
-    or not found" and how to pass a local folder, from train and eval alike."""
+    or not found" and how to pass a local folder, from train and eval alike, in under 10 s."""
     import subprocess
     import sys
 
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     for command in (["train", "--output", str(tmp_path / "run")], ["eval", "--output", str(tmp_path / "e.json")]):
         argv = [sys.executable, "-m", "grpo_fast", *command, "--model", "nobody/no-such-model"]
+        start = time.perf_counter()
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+        assert time.perf_counter() - start < 10
         assert proc.returncode == 2, proc.stderr
         assert "model 'nobody/no-such-model' (revision default): offline or not found on the Hub" in proc.stderr
         assert "--model ./my-model" in proc.stderr
