@@ -230,8 +230,9 @@ def _run_job(job, limits: SandboxLimits, require_isolation: bool) -> int:
 def code_reward(
     prompts: list[str],
     completions: list[str],
-    tests: list,
+    tests: list | None = None,
     *,
+    test_list: list | None = None,
     entry_point: list | None = None,
     setup: list | None = None,
     limits: SandboxLimits | None = None,
@@ -244,6 +245,7 @@ def code_reward(
     prompts, completions: N strings. The program is the last fenced Python block of the
         completion (or the whole completion).
     tests: N test specs (see the module docstring); None or empty scores None.
+        `test_list` (MBPP's column name) is used when `tests` is not given.
     entry_point, setup: optional columns of N values (None where unused), as in the module docstring.
     limits: SandboxLimits for each run (default 4 s wall, 2 GiB for 8 processes, 1 MiB output).
     max_workers: parallel sandboxes (default: the CPU cores available to this process).
@@ -255,6 +257,9 @@ def code_reward(
         ...             tests=[["assert add(1, 2) == 3", "assert add(0, 0) == 1"]])
         [0.5]
     """
+    tests = tests if tests is not None else test_list
+    if tests is None:
+        raise ValueError("code_reward needs a tests column: tests=[N test specs] (or MBPP's test_list=[...])")
     optional = {name: column for name, column in (("entry_point", entry_point), ("setup", setup)) if column is not None}
     n = check_batch(prompts, completions, {"tests": tests, **optional, **columns})
     limits = limits or SandboxLimits()

@@ -12,6 +12,7 @@ local cache honoured, as every Hugging Face tool does).
 import csv
 import json
 import os
+import string
 
 from grpo_fast.rewards.math_answer import reference_answer
 
@@ -125,6 +126,29 @@ def _format_prompt(prompt, tokenizer, system_prompt: str | None, row_index: int)
     return prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}"
 
 
+def _template_fields(template: str) -> list[str]:
+    """The columns a prompt template names (``"{text}\n{test_list}"``); ValueError for a
+    malformed template or a field that is not a plain column name."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ValueError(
+            f"prompt_column template {template!r} is malformed: {exc} (a literal brace is {{{{ or }}}})"
+        ) from None
+    if not fields or any(not name or "." in name or "[" in name for name in fields):
+        raise ValueError(f"prompt_column template {template!r} must name whole columns as {{column}}, got {fields}")
+    return fields
+
+
+def _render(template: str, row: dict) -> str:
+    """A prompt template filled from a row: a list column as one item per line."""
+    values = {
+        name: "\n".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+        for name, value in row.items()
+    }
+    return template.format_map(values)
+
+
 def load_prompt_dataset(
     path: str,
     *,
@@ -141,7 +165,10 @@ def load_prompt_dataset(
         of Parquet/JSON shards), or a Hub dataset name (``openai/gsm8k``).
     config, split: the Hub dataset's configuration (``main``) and split (default "train", or
         a folder's only split).
-    prompt_column: the column holding the prompt (a str, or a list of chat messages).
+    prompt_column: the column holding the prompt (a str, or a list of chat messages); or,
+        when no column has that name, a template of columns filled from each row, a list
+        column one item per line (MBPP: ``"{text}\nYour code should pass these tests:\n{test_list}"``).
+        A template keeps every column in the row (the rewards may need them).
     answer_column: the column with the reference answer or solution; default "answer" when
         present, else "solution" (MATH). Its final answer (GSM8K "#### 42", MATH "\\boxed{}")
         is extracted into the row's "answer"; the full text stays under the column's own name
@@ -166,8 +193,12 @@ def load_prompt_dataset(
     else:
         rows = _read_hub(path, config, split)
     columns = list(rows[0]) if rows else []
-    if rows and prompt_column not in rows[0]:
-        raise ValueError(f"prompt_column {prompt_column!r} is not in {path}; its columns are {columns}")
+    template = rows and prompt_column not in rows[0] and "{" in prompt_column
+    needed = _template_fields(prompt_column) if template else [prompt_column]
+    missing = [name for name in needed if name not in columns]
+    if rows and missing:
+        what = "prompt_column" if not template else f"column {missing[0]!r} of the prompt_column template"
+        raise ValueError(f"{what} {prompt_column!r} is not in {path}; its columns are {columns}")
     if answer_column is None:
         answer_column = next((c for c in ("answer", "solution") if c in columns), None)
     elif rows and answer_column not in rows[0]:
@@ -176,12 +207,15 @@ def load_prompt_dataset(
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ValueError(f"{path}: row {i} must be an object with named columns, got {type(row).__name__}")
-        if prompt_column not in row:
+        absent = [name for name in needed if name not in row]
+        if absent:
+            where = "" if not template else f" (its column {absent[0]!r})"
             raise ValueError(
-                f"prompt_column {prompt_column!r} is missing from row {i} of {path}; its columns are {list(row)}"
+                f"prompt_column {prompt_column!r}{where} is missing from row {i} of {path}; its columns are {list(row)}"
             )
-        new = {k: v for k, v in row.items() if k != prompt_column}
-        new["prompt"] = _format_prompt(row[prompt_column], tokenizer, system_prompt, i)
+        new = {k: v for k, v in row.items() if template or k != prompt_column}
+        prompt = _render(prompt_column, row) if template else row[prompt_column]
+        new["prompt"] = _format_prompt(prompt, tokenizer, system_prompt, i)
         if answer_column is not None:
             new["answer"] = reference_answer(row.get(answer_column))
         out.append(new)
