@@ -38,7 +38,7 @@ from transformers import set_seed
 
 from grpo_fast.tasks import load_rows, resolve_rewards
 from grpo_fast.trainer import checkpoint as ckpt
-from grpo_fast.trainer import distributed, evaluation, loop, run_log, step
+from grpo_fast.trainer import distributed, evaluation, hub, loop, run_log, step
 from grpo_fast.trainer.async_rollout import AsyncRollouts
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.data import DataOrder
@@ -86,8 +86,11 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None, rows=None, reward_funcs=None):
         config.validate()
+        hub.check_push(config)  # before anything loads: a run that cannot push fails now, not at its end
         if model is None:
             check_model_source(config)
+        # what the model card says of the model and prompts: named by the config, or passed in
+        self.card_options = dict(model_given=model is not None, rows_given=rows is not None)
         self.config = config
         self.loss_config = config.loss_config()
         set_seed(config.seed)
@@ -303,7 +306,8 @@ class GRPOTrainer:
 
     def save_model(self) -> str:
         """``save_pretrained`` of the policy and tokenizer to ``<output_dir>/final`` (via a temp
-        dir), by rank 0; under FSDP2 the whole weights are first gathered to its CPU."""
+        dir) with its model card (README.md, ``hub.py``), by rank 0; under FSDP2 the whole
+        weights are first gathered to its CPU."""
         final = os.path.join(self.output_dir, "final")
         weights = ckpt.full_model_state(self.policy) if distributed.is_sharded(self.modules.packed) else None
         if self.runtime.ranks.is_main:
@@ -311,6 +315,7 @@ class GRPOTrainer:
             shutil.rmtree(tmp, ignore_errors=True)
             self.policy.save_pretrained(tmp, state_dict=weights)
             self.tokenizer.save_pretrained(tmp)
+            hub.write_card(tmp, self.config, self.history, reward_names=self.reward_names, **self.card_options)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
         self.runtime.ranks.barrier()

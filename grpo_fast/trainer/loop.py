@@ -1,17 +1,19 @@
 """The run around the steps: the config and metrics files, trackers, the progress bar, the
-evaluation and completion cadence, checkpoints, the final model and the reward plot."""
+evaluation and completion cadence, checkpoints, the final model and its card, the reward plot
+and the push to the Hub."""
 
 import os
 import time
 
-from grpo_fast.trainer import run_log, trackers
+from grpo_fast.trainer import hub, run_log, trackers
 
 
 def run(trainer) -> list:
     """Runs ``trainer``'s remaining steps; returns the metrics of every step of the run. Rank 0
     writes the config, metrics, completions, progress bar and plot, and reports to the
     trackers; every eval_every steps the metrics line gains the eval metrics. The rollout
-    source is closed on the way out, error or not."""
+    source is closed on the way out, error or not. With push_to_hub, rank 0 uploads final/
+    last (a failure is a ``hub.HubPushError``; the run's files are all written by then)."""
     from tqdm.auto import tqdm
 
     config, main = trainer.config, trainer.runtime.ranks.is_main
@@ -61,4 +63,7 @@ def run(trainer) -> list:
     history = trainer.history
     trainer.plot_path = run_log.plot_rewards(history, os.path.join(trainer.output_dir, "reward.png")) if main else None
     trainer.summary = run_log.summary(history, trainer.output_dir, time.perf_counter() - start)
+    if config.push_to_hub and main:
+        url = hub.push(config, trainer.output_dir, os.path.join(trainer.output_dir, "final"))
+        trainer.summary += f"\npushed final/ to {url}"
     return history
