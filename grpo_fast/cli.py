@@ -44,6 +44,7 @@ EVAL_FLAGS = {
     "max_new_tokens": ["--max-new-tokens"],
     "max_prompt_length": ["--max-prompt-length"],
     "prompt_column": ["--prompt-column"],
+    "prompt_template": ["--prompt-template"],
     "answer_column": ["--answer-column"],
     "system_prompt": ["--system-prompt"],
     "batch_size": ["--batch-size"],

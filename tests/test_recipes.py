@@ -274,22 +274,22 @@ def test_the_predicted_memory_is_the_stated_arithmetic(path):
 
 
 def test_a_prompt_template_and_mbpp_test_list(tmp_path):
-    """What the MBPP recipe relies on: prompt_column as a template of columns (a list one item
+    """What the MBPP recipe relies on: prompt_template, a prompt made of columns (a list one item
     per line, every column kept for the rewards) and code_reward reading MBPP's test_list."""
     from grpo_fast.rewards import SandboxLimits, code_reward
     from grpo_fast.tasks.datasets import load_prompt_dataset
 
     path = write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS[1:])
-    rows = load_prompt_dataset(path, prompt_column="{text}\nTests:\n{test_list}")
+    rows = load_prompt_dataset(path, prompt_template="{text}\nTests:\n{test_list}")
     assert rows[0]["prompt"] == "\n".join([MBPP_ROWS[1]["text"], "Tests:", *MBPP_ROWS[1]["test_list"]])
     assert rows[0]["text"] == MBPP_ROWS[1]["text"] and rows[0]["test_list"] == MBPP_ROWS[1]["test_list"]
     for template, message in [
-        ("{txt}", "column 'txt' of the prompt_column template"),
+        ("{txt}", "prompt_template's column 'txt' is not in"),
         ("{}", "must name whole columns"),
         ("{text", "is malformed"),
     ]:
         with pytest.raises(ValueError, match=message):
-            load_prompt_dataset(path, prompt_column=template)
+            load_prompt_dataset(path, prompt_template=template)
     program = "```python\n" + MBPP_ROWS[1]["code"] + "\n```"
     limits = SandboxLimits(wall_time_s=10)
     assert code_reward(["p"], [program], test_list=[MBPP_ROWS[1]["test_list"]], limits=limits) == [1.0]

@@ -52,7 +52,8 @@ def load_rows(dataset: str | None, *, tokenizer=None, seed: int = 0, hold_out: b
     """Prompt rows: the arithmetic demo when ``dataset`` is None (``hold_out``: without its
     held-out sums), else the file or folder at that path.
 
-    ``options``: prompt_column, answer_column, system_prompt (see ``load_prompt_dataset``).
+    ``options``: prompt_column, prompt_template, answer_column, system_prompt, config, split (see
+    ``load_prompt_dataset``).
     """
     if dataset is None:
         from grpo_fast.tasks.arithmetic import build_dataset

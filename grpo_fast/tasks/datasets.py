@@ -133,10 +133,10 @@ def _template_fields(template: str) -> list[str]:
         fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as exc:
         raise ValueError(
-            f"prompt_column template {template!r} is malformed: {exc} (a literal brace is {{{{ or }}}})"
+            f"prompt_template {template!r} is malformed: {exc} (a literal brace is {{{{ or }}}})"
         ) from None
     if not fields or any(not name or "." in name or "[" in name for name in fields):
-        raise ValueError(f"prompt_column template {template!r} must name whole columns as {{column}}, got {fields}")
+        raise ValueError(f"prompt_template {template!r} must name whole columns as {{column}}, got {fields}")
     return fields
 
 
@@ -153,6 +153,7 @@ def load_prompt_dataset(
     path: str,
     *,
     prompt_column: str = "prompt",
+    prompt_template: str | None = None,
     answer_column: str | None = None,
     tokenizer=None,
     system_prompt: str | None = None,
@@ -165,10 +166,10 @@ def load_prompt_dataset(
         of Parquet/JSON shards), or a Hub dataset name (``openai/gsm8k``).
     config, split: the Hub dataset's configuration (``main``) and split (default "train", or
         a folder's only split).
-    prompt_column: the column holding the prompt (a str, or a list of chat messages); or,
-        when no column has that name, a template of columns filled from each row, a list
-        column one item per line (MBPP: ``"{text}\nYour code should pass these tests:\n{test_list}"``).
-        A template keeps every column in the row (the rewards may need them).
+    prompt_column: the column holding the prompt (a str, or a list of chat messages).
+    prompt_template: instead of prompt_column, the prompt built from each row's columns, a
+        list column one item per line (MBPP: ``"{text}\nYour code should pass these
+        tests:\n{test_list}"``); every column stays in the row (the rewards may need them).
     answer_column: the column with the reference answer or solution; default "answer" when
         present, else "solution" (MATH). Its final answer (GSM8K "#### 42", MATH "\\boxed{}")
         is extracted into the row's "answer"; the full text stays under the column's own name
@@ -193,12 +194,14 @@ def load_prompt_dataset(
     else:
         rows = _read_hub(path, config, split)
     columns = list(rows[0]) if rows else []
-    template = rows and prompt_column not in rows[0] and "{" in prompt_column
-    needed = _template_fields(prompt_column) if template else [prompt_column]
+    needed = [prompt_column] if prompt_template is None else _template_fields(prompt_template)
+
+    def source(name: str) -> str:
+        return f"prompt_column {name!r}" if prompt_template is None else f"prompt_template's column {name!r}"
+
     missing = [name for name in needed if name not in columns]
     if rows and missing:
-        what = "prompt_column" if not template else f"column {missing[0]!r} of the prompt_column template"
-        raise ValueError(f"{what} {prompt_column!r} is not in {path}; its columns are {columns}")
+        raise ValueError(f"{source(missing[0])} is not in {path}; its columns are {columns}")
     if answer_column is None:
         answer_column = next((c for c in ("answer", "solution") if c in columns), None)
     elif rows and answer_column not in rows[0]:
@@ -209,12 +212,9 @@ def load_prompt_dataset(
             raise ValueError(f"{path}: row {i} must be an object with named columns, got {type(row).__name__}")
         absent = [name for name in needed if name not in row]
         if absent:
-            where = "" if not template else f" (its column {absent[0]!r})"
-            raise ValueError(
-                f"prompt_column {prompt_column!r}{where} is missing from row {i} of {path}; its columns are {list(row)}"
-            )
-        new = {k: v for k, v in row.items() if template or k != prompt_column}
-        prompt = _render(prompt_column, row) if template else row[prompt_column]
+            raise ValueError(f"{source(absent[0])} is missing from row {i} of {path}; its columns are {list(row)}")
+        new = {k: v for k, v in row.items() if prompt_template is not None or k != prompt_column}
+        prompt = row[prompt_column] if prompt_template is None else _render(prompt_template, row)
         new["prompt"] = _format_prompt(prompt, tokenizer, system_prompt, i)
         if answer_column is not None:
             new["answer"] = reference_answer(row.get(answer_column))

@@ -43,6 +43,11 @@ class GRPOConfig(LossConfig):
     dataset_config: str | None = option(None, "the Hub dataset's configuration (gsm8k: main); also the eval dataset's")
     dataset_split: str | None = option(None, "the training split of a dataset with splits; None = train")
     prompt_column: str = option("prompt", "dataset column holding the prompt")
+    prompt_template: str | None = option(
+        None,
+        "instead of prompt_column, the prompt made of the row's columns, e.g. '{text}\\nTests:\\n{test_list}' "
+        "(a list column one item per line); None = prompt_column as it is",
+    )
     answer_column: str | None = option(None, "dataset column holding the reference answer, passed to rewards")
     system_prompt: str | None = option(None, "system message for chat-template prompts")
     reward_funcs: list | None = option(None, "reward names in grpo_fast.rewards or module:function; None = task's")
@@ -173,6 +178,17 @@ class GRPOConfig(LossConfig):
         if mode is None:
             return None
         return dict(mode=mode, clip_min=self.sampling_correction_min, clip_max=self.sampling_correction_max)
+
+    def prompt_options(self) -> dict:
+        """How ``load_rows`` makes prompts of a dataset's rows (the training and the eval
+        dataset alike): the columns, the template, the system prompt, the Hub configuration."""
+        return dict(
+            prompt_column=self.prompt_column,
+            prompt_template=self.prompt_template,
+            answer_column=self.answer_column,
+            system_prompt=self.system_prompt,
+            config=self.dataset_config,
+        )
 
     def loss_config(self) -> LossConfig:
         """The run's loss options as one frozen, validated :class:`LossConfig` (dr_grpo's
@@ -360,6 +376,7 @@ TOPICS = {
         "dataset_config",
         "dataset_split",
         "prompt_column",
+        "prompt_template",
         "answer_column",
         "system_prompt",
         "max_prompt_length",

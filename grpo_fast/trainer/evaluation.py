@@ -60,11 +60,8 @@ def load_eval_rows(config, tokenizer=None) -> list:
     return load_rows(
         config.eval_dataset,
         tokenizer=tokenizer,
-        prompt_column=config.prompt_column,
-        answer_column=config.answer_column,
-        system_prompt=config.system_prompt,
-        config=config.dataset_config,
         split=config.eval_split,
+        **config.prompt_options(),
     )
 
 

@@ -141,11 +141,8 @@ class GRPOTrainer:
             tokenizer=self.tokenizer,
             seed=config.seed,
             hold_out=evaluation.demo_holds_out(config),
-            prompt_column=config.prompt_column,
-            answer_column=config.answer_column,
-            system_prompt=config.system_prompt,
-            config=config.dataset_config,
             split=config.dataset_split,
+            **config.prompt_options(),
         )
 
     def _make_source(self):

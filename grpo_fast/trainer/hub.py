@@ -80,7 +80,8 @@ def check_push(config) -> None:
         raise HubPushError(
             f"push_to_hub: {source} {repo!r} is not a Hub repository name ({exc}); pass --hub-model-id user/name"
         ) from exc
-    if huggingface_hub.get_token() is None:
+    # rank 0 alone pushes: another node's rank need not hold a token
+    if int(os.environ.get("RANK", 0)) == 0 and huggingface_hub.get_token() is None:
         raise HubPushError(
             f"push_to_hub needs a Hugging Face token with write access to push to {repo!r}: run `{_command('login')}` "
             f"or set HF_TOKEN, or {later}"
