@@ -30,8 +30,10 @@ def filler(device: torch.device) -> Packed:
 
 class Behaviour(NamedTuple):
     """What the sampling correction of a micro-batch compares with: the log-probs the samples
-    were drawn with [n, C] and the completion mask [n, C] of its rows, and the run's options
-    of :func:`~grpo_fast.spec.sampling_correction` (mode, clip_min, clip_max)."""
+    were drawn with [n, C] and the completion mask [n, C] of its rows (0 on tool-result tokens,
+    where the sampler reports log-prob 0: they get weight 0 and count in no sequence's ratio),
+    and the run's options of :func:`~grpo_fast.spec.sampling_correction` (mode, clip_min,
+    clip_max)."""
 
     logprobs: torch.Tensor
     mask: torch.Tensor

@@ -22,6 +22,13 @@ so the logits are [1, Nc, V] (the hidden states [Nc, H]) for the Nc completion t
 the loss takes them as flat rows with their sequence boundaries ``completion_cu_seqlens``:
 no padding anywhere. Only per-token values that a rollout stores (log-probs [N, C]) go to
 the rows' [n, C] completion grid (:func:`to_grid`), which costs O(n * C).
+
+A row's extent is its attention mask, never its completion mask: in a multi-turn rollout a
+completion interleaves the model's tokens with a tool's output, whose tokens are real (context
+for every forward pass: attention 1) but out of the loss (completion_mask 0, so that mask is no
+prefix of ones). Here they are completion tokens like the model's (packed, attended to, their
+log-probs computed); the loss, its token counts and the sampling correction read the
+completion mask, which gives them weight 0 (``step.loss_inputs``; tests/test_tool_mask.py).
 """
 
 import contextlib

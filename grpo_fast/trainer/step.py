@@ -44,8 +44,11 @@ class StepBatch:
 
     samples: the samples (tokens, masks, completions, rewards, sampling log-probs).
     micro_batches: this rank's rows packed (``packing.Packed`` each), cut once.
-    completion_mask: [N, C] the tokens the loss counts (the PPO baseline leaves unscored
-        completions out).
+    completion_mask: [N, C] the tokens the loss counts: the model's sampled tokens, 0 on
+        padding and on tool-result tokens (a multi-turn completion's tools' output, which the
+        attention mask keeps as context: packing reads that); the PPO baseline leaves unscored
+        completions out. Every count of the loss (its normalisers, per-sequence means, KL,
+        entropy, the sampling correction) and the logged completion length read it.
     scores: [N_global, 2 + K] every rank's [combined reward, completion length, each reward]
         rows, gathered once (the log line's); the combined reward is NaN where unscored.
     stats: this rank's rows' :class:`GroupAdvantages` (advantages [N], combined rewards [N],
@@ -114,7 +117,9 @@ def scores_and_advantages(samples: Samples, config, ranks, device: torch.device)
     scale="batch" and the logged statistics are the global batch's); this rank keeps its rows.
     None when no rank has a row."""
     G, N = config.group_size, samples.rewards.shape[0]
-    lengths = samples.completion_mask.sum(1).to(samples.rewards)  # travel with the rewards, for the log line
+    # The log line's completion_len_mean, travelling with the rewards: the model's tokens (tool
+    # results not counted, as TRL's completions/mean_length counts sum(tool_mask)).
+    lengths = samples.completion_mask.sum(1).to(samples.rewards)
     table, first = ranks.gather_rows(torch.cat([lengths[:, None], samples.rewards], 1))
     if len(table) == 0:
         return torch.cat([torch.full_like(table[:, :1], float("nan")), table], 1), None
