@@ -4,7 +4,7 @@ None means "not scored". Configure with functools.partial, e.g.
 `partial(code_reward, limits=SandboxLimits(wall_time_s=2))`.
 """
 
-from grpo_fast.rewards.base import check_batch, none_on_error
+from grpo_fast.rewards.base import check_batch, completion_texts, none_on_error
 from grpo_fast.rewards.code import code_reward, extract_code
 from grpo_fast.rewards.format import DEFAULT_FORMAT, format_reward
 from grpo_fast.rewards.math_answer import answers_match, extract_answer, math_reward
@@ -23,6 +23,7 @@ __all__ = [
     "code_reward",
     "none_on_error",
     "check_batch",
+    "completion_texts",
     "extract_answer",
     "answers_match",
     "extract_code",

@@ -1,7 +1,9 @@
 """The reward-function contract: argument checks and an opt-in "score None on error" wrapper.
 
 A reward function is `f(prompts, completions, **columns) -> list[float | None]`: `prompts`
-and `completions` are lists of N strings, each column (e.g. `answer=[...]`,
+and `completions` are lists of N strings (with tools, each completion is the trajectory's
+messages, TRL's shape: the assistant turns and the tool messages; `completion_texts` gives
+the final answers), each column (e.g. `answer=[...]`,
 `tests=[...]`, `completion_ids=[...]`) is a list of N values aligned with them, and the
 result holds N scores, None for a sample the function does not score. Functions accept and
 ignore columns they do not use, so ours and the user's can be mixed freely.
@@ -22,14 +24,30 @@ def check_batch(prompts, completions, columns: dict) -> int:
     if len(prompts) != n:
         raise ValueError(f"prompts must have the same length N={n} as completions, got {len(prompts)}")
     for i, c in enumerate(completions):
-        if not isinstance(c, str):
-            raise TypeError(f"completions[{i}] must be a str, got {type(c).__name__}")
+        if not isinstance(c, str) and not _is_messages(c):
+            raise TypeError(
+                f"completions[{i}] must be a str or a list of {{'role', 'content'}} messages, got {type(c).__name__}"
+            )
     for name, value in columns.items():
         if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
             raise TypeError(f"column {name!r} must be a list of N={n} values, got {type(value).__name__}")
         if len(value) != n:
             raise ValueError(f"column {name!r} must have length N={n} (one value per completion), got {len(value)}")
     return n
+
+
+def completion_texts(completions) -> list[str]:
+    """The text each completion answers with: a str as it is; a trajectory (a list of messages,
+    a multi-turn rollout with tools) its last assistant message's content ("" without one)."""
+    return [c if isinstance(c, str) else _final_answer(c) for c in completions]
+
+
+def _final_answer(messages: list) -> str:
+    return next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "assistant"), "")
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
 def none_on_error(fn: RewardFn) -> RewardFn:

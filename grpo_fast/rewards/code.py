@@ -36,7 +36,7 @@ import symtable
 from concurrent.futures import ThreadPoolExecutor
 
 from grpo_fast.rewards._code_harness import JUDGE_MODULES
-from grpo_fast.rewards.base import check_batch
+from grpo_fast.rewards.base import check_batch, completion_texts
 from grpo_fast.rewards.sandbox import SandboxLimits, run_judged, run_python
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -262,6 +262,7 @@ def code_reward(
         raise ValueError("code_reward needs a tests column: tests=[N test specs] (or MBPP's test_list=[...])")
     optional = {name: column for name, column in (("entry_point", entry_point), ("setup", setup)) if column is not None}
     n = check_batch(prompts, completions, {"tests": tests, **optional, **columns})
+    completions = completion_texts(completions)
     limits = limits or SandboxLimits()
     entry_points, setups = entry_point or [None] * n, setup or [None] * n
     specs, prepared = [], {}

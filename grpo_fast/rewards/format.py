@@ -2,7 +2,7 @@
 
 import re
 
-from grpo_fast.rewards.base import check_batch
+from grpo_fast.rewards.base import check_batch, completion_texts
 
 # Reasoning in <think>, then the final answer in <answer>, nothing else around them.
 DEFAULT_FORMAT = r"<think>.*?</think>\s*<answer>.*?</answer>"
@@ -22,6 +22,7 @@ def format_reward(
         [1.0]
     """
     check_batch(prompts, completions, columns)
+    completions = completion_texts(completions)
     if isinstance(pattern, str):
         pattern = re.compile(pattern, re.DOTALL)
     elif not isinstance(pattern, re.Pattern):

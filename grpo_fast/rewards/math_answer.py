@@ -11,7 +11,7 @@ intervals) is decided by math-verify (`pip install "grpo-fast[math]"`), imported
 import re
 import threading
 
-from grpo_fast.rewards.base import check_batch
+from grpo_fast.rewards.base import check_batch, completion_texts
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
@@ -107,6 +107,7 @@ def math_reward(
     if references is None:
         raise ValueError("math_reward needs a reference column: answer=[N strings] (or solution=[...])")
     check_batch(prompts, completions, {"answer": references})
+    completions = completion_texts(completions)
     scores = []
     for completion, ref in zip(completions, references):
         if ref is None:

@@ -8,7 +8,7 @@ It is added to the task reward, so completions that approach the generation limi
 reward smoothly instead of being truncated into noise.
 """
 
-from grpo_fast.rewards.base import check_batch
+from grpo_fast.rewards.base import check_batch, completion_texts
 
 
 def overlong_penalty(
@@ -39,7 +39,7 @@ def overlong_penalty(
         lengths = [len(ids) for ids in completion_ids]
     elif tokenizer is not None:
         check_batch(prompts, completions, columns)
-        lengths = [len(tokenizer.encode(c, add_special_tokens=False)) for c in completions]
+        lengths = [len(tokenizer.encode(c, add_special_tokens=False)) for c in completion_texts(completions)]
     else:
         raise ValueError(
             "overlong_penalty needs completion_ids=[N token-id lists] or tokenizer= to measure "

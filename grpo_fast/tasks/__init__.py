@@ -1,6 +1,7 @@
-"""Prompt sources and their reward functions: the built-in arithmetic demo, or a dataset on disk.
+"""Prompt sources and their reward functions: a built-in task (the arithmetic demo, the
+tool-use task), or a dataset.
 
-Reward functions are named in configs: ``"arithmetic"`` (the demo's), a reward function of
+Reward functions are named in configs: a built-in task's name (its reward), a reward function of
 ``grpo_fast.rewards`` (its ``REWARD_FUNCTIONS``: ``math_reward``, ``format_reward``, ...), or
 ``"package.module:function"``.
 """
@@ -8,8 +9,20 @@ Reward functions are named in configs: ``"arithmetic"`` (the demo's), a reward f
 import importlib
 from collections.abc import Callable
 
-DEMO_REWARDS = ("arithmetic",)
+# The built-in tasks (--task NAME, without --dataset): name -> "module:reward function", imported
+# when picked. A task's module has build_tokenizer(), build_model(tokenizer, seed, **sizes),
+# build_dataset(seed=, hold_out=) and held_out_rows(); its reward, named as the task, scores it
+# by default.
+TASKS = {
+    "arithmetic": "grpo_fast.tasks.arithmetic:arithmetic_reward",
+    "tool_arithmetic": "grpo_fast.tasks.tool_arithmetic:tool_arithmetic_reward",
+}
 DATASET_REWARDS = ("math_reward",)
+
+
+def task_module(name: str | None):
+    """The module of the built-in task ``name`` (None: the arithmetic demo)."""
+    return importlib.import_module(TASKS[name or "arithmetic"].split(":")[0])
 
 
 def get_reward_function(name) -> Callable:
@@ -18,12 +31,8 @@ def get_reward_function(name) -> Callable:
         return name
     if not isinstance(name, str):
         raise TypeError(f"reward_funcs entries must be names or callables, got {name!r}")
-    if name == "arithmetic":  # imported here: the demo's module loads torch and transformers
-        from grpo_fast.tasks.arithmetic import arithmetic_reward
-
-        return arithmetic_reward
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
+    if ":" in name or name in TASKS:  # a task's module is imported when used: it loads torch
+        module_name, _, attr = TASKS.get(name, name).partition(":")
         try:
             func = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
@@ -31,7 +40,7 @@ def get_reward_function(name) -> Callable:
     else:
         rewards = importlib.import_module("grpo_fast.rewards")
         if name not in rewards.REWARD_FUNCTIONS:
-            known = ["arithmetic", *rewards.REWARD_FUNCTIONS]
+            known = [*TASKS, *rewards.REWARD_FUNCTIONS]
             raise ValueError(f"unknown reward function {name!r}; known: {known} or 'package.module:function'")
         func = getattr(rewards, name)
     if not callable(func):
@@ -39,29 +48,41 @@ def get_reward_function(name) -> Callable:
     return func
 
 
-def resolve_rewards(names, dataset: str | None) -> tuple:
-    """``(functions, their names)`` of reward ``names`` (None = the task's: the demo's when
-    ``dataset`` is None, else math_reward)."""
+def resolve_rewards(names, dataset: str | None, task: str | None = None) -> tuple:
+    """``(functions, their names)`` of reward ``names`` (None = the task's: the built-in task's
+    reward when ``dataset`` is None, else math_reward)."""
     if names is None:
-        names = DEMO_REWARDS if dataset is None else DATASET_REWARDS
+        names = (task or "arithmetic",) if dataset is None else DATASET_REWARDS
     funcs = [get_reward_function(name) for name in names]
     return funcs, [getattr(f, "__name__", str(f)) for f in funcs]
 
 
-def load_rows(dataset: str | None, *, tokenizer=None, seed: int = 0, hold_out: bool = False, **options) -> list:
-    """Prompt rows: the arithmetic demo when ``dataset`` is None (``hold_out``: without its
-    held-out sums), else the file or folder at that path.
+def load_rows(
+    dataset: str | None,
+    *,
+    tokenizer=None,
+    seed: int = 0,
+    hold_out: bool = False,
+    task: str | None = None,
+    held_out: bool = False,
+    tools: list | None = None,
+    **options,
+) -> list:
+    """Prompt rows: the built-in ``task``'s when ``dataset`` is None (``hold_out``: without its
+    held-out rows; ``held_out``: those rows alone), else the dataset's.
 
+    ``tools``: the tools' JSON schemas, which a chat template shows in every prompt.
     ``options``: prompt_column, prompt_template, answer_column, system_prompt, config, split (see
     ``load_prompt_dataset``).
     """
+    from grpo_fast.tasks.datasets import format_prompts, load_prompt_dataset
+
     if dataset is None:
-        from grpo_fast.tasks.arithmetic import build_dataset
-
-        return build_dataset(seed=seed, hold_out=hold_out)
-    from grpo_fast.tasks.datasets import load_prompt_dataset
-
-    rows = load_prompt_dataset(dataset, tokenizer=tokenizer, **options)
+        module = task_module(task)
+        rows = module.held_out_rows() if held_out else module.build_dataset(seed=seed, hold_out=hold_out)
+        system_prompt = options.get("system_prompt")
+        return format_prompts(rows, tokenizer, system_prompt, tools) if tokenizer is not None else rows
+    rows = load_prompt_dataset(dataset, tokenizer=tokenizer, tools=tools, **options)
     if not rows:
         raise ValueError(f"dataset {dataset!r} has no rows")
     return rows

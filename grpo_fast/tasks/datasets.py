@@ -106,8 +106,20 @@ def is_dataset_path(name: str) -> bool:
     return is_local_path(name) or os.path.splitext(name)[1].lower() in _READERS
 
 
-def _format_prompt(prompt, tokenizer, system_prompt: str | None, row_index: int) -> str:
-    """Chat-format a prompt (a str, or a list of {"role", "content"} messages)."""
+def format_prompts(rows: list, tokenizer, system_prompt: str | None = None, tools: list | None = None) -> list:
+    """``rows`` with each "prompt" chat-formatted by the tokenizer's template when it has one
+    (with the tools' schemas ``tools``), else as they are (a built-in task without a template)."""
+    if getattr(tokenizer, "chat_template", None) is None and tools is None and system_prompt is None:
+        return rows
+    return [
+        {**row, "prompt": _format_prompt(row["prompt"], tokenizer, system_prompt, i, tools)}
+        for i, row in enumerate(rows)
+    ]
+
+
+def _format_prompt(prompt, tokenizer, system_prompt: str | None, row_index: int, tools: list | None = None) -> str:
+    """Chat-format a prompt (a str, or a list of {"role", "content"} messages), showing ``tools``
+    (JSON schemas) when given."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
@@ -120,7 +132,9 @@ def _format_prompt(prompt, tokenizer, system_prompt: str | None, row_index: int)
     if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    if tools is not None:
+        raise ValueError("tools need a tokenizer with a chat template that renders them (apply_chat_template(tools=))")
     if isinstance(prompt, list):
         raise ValueError(f"row {row_index}: a prompt given as chat messages needs a tokenizer with a chat template")
     return prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}"
@@ -159,6 +173,7 @@ def load_prompt_dataset(
     system_prompt: str | None = None,
     config: str | None = None,
     split: str | None = None,
+    tools: list | None = None,
 ) -> list[dict]:
     """Rows of prompts (and reference answers) for training.
 
@@ -177,6 +192,7 @@ def load_prompt_dataset(
     tokenizer: when it has a chat template, every prompt is rendered with it
         (add_generation_prompt=True); otherwise prompts stay plain text.
     system_prompt: a system message (or, without a chat template, a preamble).
+    tools: the JSON schemas of the tools the model may call, shown by the chat template.
     Returns a list of dicts, each with "prompt" (str) and every other column of the row.
     """
     if not isinstance(path, (str, os.PathLike)):
@@ -215,7 +231,7 @@ def load_prompt_dataset(
             raise ValueError(f"{source(absent[0])} is missing from row {i} of {path}; its columns are {list(row)}")
         new = {k: v for k, v in row.items() if prompt_template is not None or k != prompt_column}
         prompt = row[prompt_column] if prompt_template is None else _render(prompt_template, row)
-        new["prompt"] = _format_prompt(prompt, tokenizer, system_prompt, i)
+        new["prompt"] = _format_prompt(prompt, tokenizer, system_prompt, i, tools)
         if answer_column is not None:
             new["answer"] = reference_answer(row.get(answer_column))
         out.append(new)

@@ -51,7 +51,8 @@ class Tool:
 def resolve_tools(tools) -> list[Tool]:
     """The `Tool`s of a configuration's entries, checked; raises before anything runs.
 
-    tools: a list whose entries are built-in names (keys of `TOOLS`), functions (sync or async,
+    tools: a list whose entries are built-in names (keys of `TOOLS`), "package.module:function"
+           names, functions (sync or async,
            with a type hint on every argument and a docstring with an Args: section that
            describes each), or `Tool`s. None or [] gives [].
     Raises TypeError for an entry that is neither a name nor a function (a class, an instance,
@@ -77,7 +78,13 @@ def resolve_tools(tools) -> list[Tool]:
 
 
 def _function_of(entry):
-    if isinstance(entry, str):
+    if isinstance(entry, str) and ":" in entry:  # package.module:function
+        module, _, name = entry.partition(":")
+        try:
+            entry = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"tools: {entry!r} cannot be imported: {exc}") from exc
+    elif isinstance(entry, str):
         if entry not in TOOLS:
             raise ValueError(
                 f"tools: unknown built-in tool {entry!r}; the built-in tools are: {', '.join(sorted(TOOLS))}"

@@ -10,13 +10,16 @@ import os
 from dataclasses import dataclass
 
 from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option
+from grpo_fast.tasks import TASKS
 from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
+from grpo_fast.tools import TOOLS
 from grpo_fast.trainer.generators import ENGINES
 from grpo_fast.trainer.trackers import TRACKERS, check_trackers
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 PARALLEL = ("ddp", "fsdp")  # under torchrun: each rank a replica, or a shard (FSDP2)
+TURN_ENGINES = ("sampler", "hf", "vllm")  # the engines that run multi-turn rollouts (tools)
 
 
 @dataclass
@@ -39,6 +42,9 @@ class GRPOConfig(LossConfig):
     model_revision: str | None = option(None, "the Hub model's branch, tag or commit; None = its default branch")
     dataset: str | None = option(
         None, "a Hub dataset name (openai/gsm8k), or a JSONL / CSV / Parquet file or dataset folder; None = the demo"
+    )
+    task: str | None = option(
+        None, "a built-in task, when no dataset is given: arithmetic (the demo), tool_arithmetic; None = arithmetic"
     )
     dataset_config: str | None = option(None, "the Hub dataset's configuration (gsm8k: main); also the eval dataset's")
     dataset_split: str | None = option(None, "the training split of a dataset with splits; None = train")
@@ -91,6 +97,20 @@ class GRPOConfig(LossConfig):
     max_sampling_rounds: int = option(3, "dynamic sampling: at most this many generation rounds per step")
     advantage_scale: str = option("group", "divide advantages by the group's std, the batch's, or none (Dr. GRPO)")
     num_iterations: int = option(1, "mu: optimisation passes over each rollout batch")
+
+    # tools: multi-turn rollouts (grpo_fast/tools, trainer/tool_turns.py)
+    tools: list | None = option(
+        None,
+        "tools the model may call while it answers: built-in names (calculator, python) or module:function; "
+        "None = none",
+    )
+    max_tool_calling_iterations: int | None = option(
+        None, "tools: at most this many tool-answered turns per trajectory; None = as many as max_new_tokens allows"
+    )
+    max_tool_response_tokens: int | None = option(
+        None, "tools: a result longer than this many tokens is cut in the middle (marked); None = no cut"
+    )
+    tool_timeout_s: float = option(10.0, "tools: a call still running after this many seconds answers with an error")
 
     # asynchronous rollouts (trainer/async_rollout.py)
     max_staleness: int = option(
@@ -281,6 +301,7 @@ class GRPOConfig(LossConfig):
                 f"vllm_max_model_len must be an int >= 2 or None, got {self.vllm_max_model_len!r}",
             )
         self._validate_asynchrony(require)
+        self.check_tools(self.tools)
         require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate!r}")
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         require(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every!r}")
@@ -321,6 +342,50 @@ class GRPOConfig(LossConfig):
                 path is None or not is_dataset_path(path) or os.path.exists(path),
                 f"{name} path {path!r} does not exist",
             )
+
+    def check_tools(self, tools) -> None:
+        """The task and ``tools`` (the config's, or the functions given to the trainer): names
+        that exist, limits in range, an engine that runs turns; raises ValueError (checked before
+        anything loads; a tool's function and schema are checked when the trainer resolves it,
+        before the model loads)."""
+
+        def require(ok: bool, message: str):
+            if not ok:
+                raise ValueError(message)
+
+        if self.task is not None:
+            require(self.task in TASKS, f"task must be one of {tuple(TASKS)} or None, got {self.task!r}")
+            require(
+                self.dataset is None,
+                f"task={self.task!r} is a built-in task's prompts and dataset={self.dataset!r} another's: give one",
+            )
+        if tools is None:
+            return
+        require(
+            isinstance(tools, list) and len(tools) > 0,
+            f"tools must be a non-empty list of tool names or None, got {tools!r}",
+        )
+        for name in tools:
+            require(
+                not isinstance(name, str) or name in TOOLS or ":" in name,
+                f"unknown tool {name!r}; the built-in tools are {sorted(TOOLS)}, or give package.module:function",
+            )
+        for name in ("max_tool_calling_iterations", "max_tool_response_tokens"):
+            value = getattr(self, name)
+            require(
+                value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                f"{name} must be an int >= 1 or None, got {value!r}",
+            )
+        require(self.tool_timeout_s > 0, f"tool_timeout_s must be > 0, got {self.tool_timeout_s!r}")
+        require(
+            self.generator in TURN_ENGINES,
+            f"tools need an engine that samples turns: generator one of {TURN_ENGINES}, got {self.generator!r}",
+        )
+        require(
+            not self.compile_generation,
+            "tools do not work with compile_generation: a CUDA graph has fixed shapes, and a tool's answer changes "
+            "the batch's between turns",
+        )
 
     def _validate_asynchrony(self, require) -> None:
         """max_staleness and what it needs: a generation device that exists, options that work
@@ -372,6 +437,7 @@ TOPICS = {
     "model and data": (
         "model",
         "model_revision",
+        "task",
         "dataset",
         "dataset_config",
         "dataset_split",
@@ -384,6 +450,7 @@ TOPICS = {
         "seed",
     ),
     "rewards": ("reward_funcs", "reward_weights"),
+    "tools": ("tools", "max_tool_calling_iterations", "max_tool_response_tokens", "tool_timeout_s"),
     "rollout": (
         "steps",
         "batch_size",

@@ -44,23 +44,23 @@ def demo_holds_out(config) -> bool:
     return config.eval_every > 0 and config.dataset is None and config.eval_dataset is None
 
 
-def load_eval_rows(config, tokenizer=None) -> list:
+def load_eval_rows(config, tokenizer=None, tools: list | None = None) -> list:
     """The eval prompts of ``config``: its ``eval_dataset`` (read as ``dataset`` is), or, for
-    the built-in demo, its held-out sums."""
+    a built-in task, its held-out rows. ``tools``: the schemas the prompts show."""
     from grpo_fast.tasks import load_rows
-    from grpo_fast.tasks.arithmetic import held_out_rows
 
-    if config.eval_dataset is None:
-        if config.dataset is not None:
-            raise ValueError(
-                "eval needs eval_dataset (a held-out file or folder of prompts): only the built-in demo has "
-                f"a held-out split of its own, and dataset={config.dataset!r} is given"
-            )
-        return held_out_rows()
+    if config.eval_dataset is None and config.dataset is not None:
+        raise ValueError(
+            "eval needs eval_dataset (a held-out file or folder of prompts): only a built-in task has "
+            f"a held-out split of its own, and dataset={config.dataset!r} is given"
+        )
     return load_rows(
         config.eval_dataset,
         tokenizer=tokenizer,
         split=config.eval_split,
+        task=config.task,
+        held_out=True,
+        tools=tools,
         **config.prompt_options(),
     )
 
@@ -109,6 +109,7 @@ class Evaluator:
         reward_funcs, reward_names: the run's reward functions and their names.
         runtime: the device, the job's ranks and the precision (default: one process at
             float32 on the model's device).
+        tool_loop: with tools, the rollouts' :class:`~grpo_fast.trainer.tool_turns.ToolLoop`.
     """
 
     model: torch.nn.Module
@@ -118,6 +119,7 @@ class Evaluator:
     reward_funcs: list
     reward_names: list
     runtime: Runtime | None = None
+    tool_loop: object = None
 
     def __post_init__(self):
         config = self.config
@@ -143,7 +145,8 @@ class Evaluator:
             for start in range(first, stop, chunk):
                 keys = list(range(start, min(start + chunk, stop)))
                 rows = [self.rows[i] for i in keys]
-                parts.append(rollout(self.generator, rows, keys, self.reward_funcs, group_size=n).rewards)
+                samples = rollout(self.generator, rows, keys, self.reward_funcs, group_size=n, turns=self.tool_loop)
+                parts.append(samples.rewards)
         rewards, _ = ranks.gather_rows(torch.cat(parts))  # [M * n, K], every prompt's samples in order
         return eval_metrics(rewards, self.reward_names, n, config.eval_pass_threshold, config.reward_weights)
 
@@ -170,12 +173,16 @@ def evaluate_model(config) -> dict:
     import transformers
 
     from grpo_fast.tasks import resolve_rewards
+    from grpo_fast.tools import ToolTemplate, resolve_tools
     from grpo_fast.trainer.model import check_model_source, load_model_and_tokenizer
+    from grpo_fast.trainer.tool_turns import ToolLoop
 
+    tools = resolve_tools(config.tools)
     check_model_source(config)
     transformers.set_seed(config.seed)
     runtime = Runtime.start(config)
     model, tokenizer = load_model_and_tokenizer(config, runtime.flash_attention())
-    funcs, names = resolve_rewards(config.reward_funcs, config.dataset)
-    rows = load_eval_rows(config, tokenizer)
-    return Evaluator(model.to(runtime.device), tokenizer, config, rows, funcs, names, runtime)()
+    loop = ToolLoop(ToolTemplate(tokenizer, tools), config) if tools else None
+    funcs, names = resolve_rewards(config.reward_funcs, config.dataset, config.task)
+    rows = load_eval_rows(config, tokenizer, [tool.schema for tool in tools] or None)
+    return Evaluator(model.to(runtime.device), tokenizer, config, rows, funcs, names, runtime, loop)()

@@ -37,6 +37,7 @@ import torch
 from transformers import set_seed
 
 from grpo_fast.tasks import load_rows, resolve_rewards
+from grpo_fast.tools import ToolTemplate, resolve_tools
 from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer import distributed, evaluation, hub, loop, run_log, step
 from grpo_fast.trainer.async_rollout import AsyncRollouts
@@ -57,6 +58,7 @@ from grpo_fast.trainer.rollout import Samples
 from grpo_fast.trainer.runtime import Runtime
 from grpo_fast.trainer.sources import InProcessRollouts
 from grpo_fast.trainer.step import PassResult, Proximal, StepBatch
+from grpo_fast.trainer.tool_turns import ToolLoop
 
 
 class StepResult(NamedTuple):
@@ -84,8 +86,11 @@ class GRPOTrainer:
         reward_funcs: callables or names (default: ``config.reward_funcs``, else the task's).
     """
 
-    def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None, rows=None, reward_funcs=None):
+    def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None, rows=None, reward_funcs=None, tools=None):
         config.validate()
+        config.check_tools(tools)
+        # tools refused before anything loads, the chat template before the model
+        self.tools = resolve_tools(tools if tools is not None else config.tools)
         hub.check_push(config)  # before anything loads: a run that cannot push fails now, not at its end
         if model is None:
             check_model_source(config)
@@ -107,23 +112,28 @@ class GRPOTrainer:
                 "compile_generation replays a CUDA graph on fixed weight addresses, but under FSDP2 the weights are "
                 "gathered anew for each rollout: use parallel='ddp', or no compile_generation"
             )
+        self.tool_loop = None
         if model is None:
-            model, tokenizer = load_model_and_tokenizer(config, runtime.flash_attention())
+            model, tokenizer = load_model_and_tokenizer(config, runtime.flash_attention(), self._check_template)
         elif tokenizer is None:
             raise ValueError("a model passed to GRPOTrainer needs its tokenizer")
+        else:
+            self._check_template(tokenizer)
         self.tokenizer = tokenizer
         self.policy = prepare_policy(model, config, runtime.device)
         self.reference = make_reference(self.policy, config.beta)
         self.modules = wrap_modules(self.policy, self.reference, self.loss_config, config, runtime)
         self.rows = rows if rows is not None else self._load_rows()
-        self.reward_funcs, self.reward_names = resolve_rewards(reward_funcs or config.reward_funcs, config.dataset)
+        self.reward_funcs, self.reward_names = resolve_rewards(
+            reward_funcs or config.reward_funcs, config.dataset, config.task
+        )
         self.data = DataOrder(self.rows, config.seed, config.prompts_per_step, ranks)
         self.source = self._make_source()
         self.evaluator = None
         if config.eval_every or config.eval_dataset is not None:
-            eval_rows = evaluation.load_eval_rows(config, tokenizer)
+            eval_rows = evaluation.load_eval_rows(config, tokenizer, self.tool_schemas)
             self.evaluator = evaluation.Evaluator(
-                self.policy, tokenizer, config, eval_rows, self.reward_funcs, self.reward_names, runtime
+                self.policy, tokenizer, config, eval_rows, self.reward_funcs, self.reward_names, runtime, self.tool_loop
             )
         self.optimizer = adamw([p for p in self.policy.parameters() if p.requires_grad], config)
         self.scheduler = lr_scheduler(self.optimizer, config)
@@ -134,6 +144,17 @@ class GRPOTrainer:
         if ranks.rank:  # the model is built alike everywhere; the Hugging Face engine must not draw alike
             set_seed(config.seed + ranks.rank)
 
+    def _check_template(self, tokenizer) -> None:
+        """With tools: the tokenizer's chat template must render them and be prefix-preserving
+        (ToolTemplate raises, naming the cause); then the rollouts' tool loop."""
+        if self.tools:
+            self.tool_loop = ToolLoop(ToolTemplate(tokenizer, self.tools), self.config)
+
+    @property
+    def tool_schemas(self) -> list | None:
+        """The tools' JSON schemas, which every prompt shows; None without tools."""
+        return [tool.schema for tool in self.tools] or None
+
     def _load_rows(self) -> list:
         config = self.config
         return load_rows(
@@ -141,6 +162,8 @@ class GRPOTrainer:
             tokenizer=self.tokenizer,
             seed=config.seed,
             hold_out=evaluation.demo_holds_out(config),
+            task=config.task,
+            tools=self.tool_schemas,
             split=config.dataset_split,
             **config.prompt_options(),
         )
@@ -155,7 +178,14 @@ class GRPOTrainer:
             )
         engine = make_generator(config.generator, self.policy, self.tokenizer, config, self.runtime)
         return InProcessRollouts(
-            engine, self.data, self.reward_funcs, config, self.runtime, self.modules.packed, self.tokenizer
+            engine,
+            self.data,
+            self.reward_funcs,
+            config,
+            self.runtime,
+            self.modules.packed,
+            self.tokenizer,
+            self.tool_loop,
         )
 
     @property

@@ -36,6 +36,20 @@ def read_metrics(passes: list, ranks, device: torch.device) -> list:
     return out
 
 
+def _tool_metrics(counts, rows: int, ranks) -> dict:
+    """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed
+    calls per call), and the mean turns per trajectory, over every rank's ``rows`` completions,
+    from each row's ``counts`` [n, 3] (calls, failures, turns); {} without tools."""
+    if counts is None:
+        return {}
+    calls, failures, turns = ranks.sum(counts.sum(0).double())
+    return {
+        "tools/call_frequency": calls / rows,
+        "tools/failure_frequency": failures / calls.clamp(min=1),
+        "tools/turns_mean": turns / rows,
+    }
+
+
 def peak_memory(device: torch.device) -> int:
     """Peak bytes: CUDA allocator peak of this step, or the process's peak resident set on CPU."""
     if device.type == "cuda":
@@ -83,6 +97,7 @@ def log_line(
         tokens=ranks.sum(batch.samples.attention_mask.sum()),
         **{f"rewards/{name}": rewards[:, k].nanmean() for k, name in enumerate(reward_names)},
         **sampling,
+        **_tool_metrics(batch.samples.tool_counts, len(table), ranks),
     )
     *passes, stats = read_metrics([*passes, stats], ranks, runtime.device)
     elapsed = time.perf_counter() - start
@@ -104,6 +119,7 @@ def log_line(
         **extra,
         **{key: stats[key] for key in sampling},
     )
+    metrics.update({key: stats[key] for key in stats if key.startswith("tools/")})
     if dynamic_sampling:
         metrics.update(sampling_rounds=batch.samples.sampling_rounds, groups_dropped=batch.samples.dropped_groups)
     for name in reward_names:

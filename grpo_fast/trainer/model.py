@@ -33,24 +33,30 @@ def check_model_source(config) -> None:
         ) from exc
 
 
-def load_model_and_tokenizer(config, flash_attention: bool = False):
+def load_model_and_tokenizer(config, flash_attention: bool = False, before_model=None):
     """The policy and tokenizer: ``config.model`` (a Hub name at ``config.model_revision``, or
-    a local folder) through ``from_pretrained``, or the built-in demo. ``flash_attention``
-    loads the model with ``flash_attention_2``, whose varlen kernels run the packed forwards
-    (see ``packing.py``)."""
+    a local folder) through ``from_pretrained``, or the built-in task's (``config.task``).
+    ``flash_attention`` loads the model with ``flash_attention_2``, whose varlen kernels run the
+    packed forwards (see ``packing.py``). ``before_model(tokenizer)`` runs between the two (a
+    run with tools checks its chat template there, before the model takes its time to load)."""
     if config.model is None:
-        from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
+        from grpo_fast.tasks import task_module
 
-        tokenizer = build_tokenizer()
+        task = task_module(config.task)
+        tokenizer = task.build_tokenizer()
+        if before_model is not None:
+            before_model(tokenizer)
         # vLLM's CPU attention needs heads of 32 or more: its demo model has 2 heads of 32 (the
         # same weight shapes as the default's 4 heads of 16)
         heads = dict(num_attention_heads=2, num_key_value_heads=2) if config.generator == "vllm" else {}
-        return build_model(tokenizer, seed=config.seed, **heads), tokenizer
+        return task.build_model(tokenizer, seed=config.seed, **heads), tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model, revision=config.model_revision)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if before_model is not None:
+        before_model(tokenizer)
     attention = dict(attn_implementation="flash_attention_2") if flash_attention else {}
     model = AutoModelForCausalLM.from_pretrained(
         config.model, revision=config.model_revision, dtype=torch.float32, **attention

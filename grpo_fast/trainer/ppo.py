@@ -165,6 +165,8 @@ class PPOTrainer(GRPOTrainer):
             raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}")
         if config.max_staleness:
             raise ValueError("the PPO baseline samples synchronously: max_staleness must be 0")
+        if config.tools or kwargs.get("tools"):  # its GAE walks the completion as the model's tokens alone
+            raise ValueError("the PPO baseline runs single-turn rollouts: tools need the GRPO trainer")
         if distributed.launched_by_torchrun():
             raise ValueError(
                 "the PPO baseline runs in one process (its critic is not wrapped for DDP or FSDP2): start it without "

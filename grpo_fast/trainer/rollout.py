@@ -11,6 +11,10 @@ Sequence layout, N = num_prompts * G rows (see :class:`~grpo_fast.trainer.genera
     input_ids      [N, P + C]   left-padded prompt, then the completion (right-padded after EOS)
     attention_mask [N, P + C]   1 on real prompt tokens and on completion tokens up to EOS
     completion_mask [N, C]      1 on completion tokens up to and including the first EOS
+
+With tools (a multi-turn rollout, ``tool_turns.py``) a completion is the whole trajectory: the
+model's turns and the tools' results between them, all under the attention mask, the results
+out of the completion mask; ``completions`` are then message lists (TRL's shape).
 """
 
 import contextlib
@@ -33,7 +37,7 @@ class Samples:
     """One batch of samples: N = len(prompts) rows, the samples of a prompt adjacent."""
 
     prompts: list  # [N] str, each prompt repeated G times
-    completions: list  # [N] str, decoded without special tokens
+    completions: list  # [N] str, decoded without special tokens; with tools [N] message lists
     columns: dict  # dataset columns other than the prompt, each a list of N values
     input_ids: torch.Tensor  # [N, P + C]
     attention_mask: torch.Tensor  # [N, P + C]
@@ -49,6 +53,8 @@ class Samples:
     data_end: int = 0  # the data position after the rows sampled: where the next batch starts
     sampling_rounds: int = 1  # generation rounds it took (dynamic sampling)
     dropped_groups: int = 0  # groups sampled but dropped, over every rank: their rewards were all equal
+    # [N, 3] float32 per row: tool calls, failed calls, turns (a multi-turn rollout), or None
+    tool_counts: torch.Tensor | None = None
 
     def to(self, device) -> "Samples":
         """These samples with their tensors on ``device``."""
@@ -144,7 +150,7 @@ def select_groups(batch: Samples, groups: torch.Tensor, group_size: int) -> Samp
     rows = (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1).tolist()
     pick = torch.tensor(rows, dtype=torch.long)
     per_row = ("input_ids", "attention_mask", "completion_mask", "rewards")
-    per_row += ("sampling_logprobs",) if batch.sampling_logprobs is not None else ()
+    per_row += tuple(name for name in ("sampling_logprobs", "tool_counts") if getattr(batch, name) is not None)
     return dataclasses.replace(
         batch,
         prompts=[batch.prompts[i] for i in rows],
@@ -183,11 +189,19 @@ def concat_samples(parts: list, pad_token_id: int) -> Samples:
         completion_mask=completion_grid("completion_mask"),
         sampling_logprobs=completion_grid("sampling_logprobs"),
         rewards=torch.cat([part.rewards for part in parts]),
+        tool_counts=None if parts[0].tool_counts is None else torch.cat([part.tool_counts for part in parts]),
     )
 
 
 def rollout(
-    generator, rows: list, keys: list, reward_funcs: list, *, group_size: int, keep_logprobs: bool = False
+    generator,
+    rows: list,
+    keys: list,
+    reward_funcs: list,
+    *,
+    group_size: int,
+    keep_logprobs: bool = False,
+    turns: Callable | None = None,
 ) -> Samples:
     """Generation and rewards of one batch of prompts, with the engine's log-probs as
     ``sampling_logprobs`` where the trainer corrects for them: an engine that drifts (vllm), or
@@ -200,17 +214,26 @@ def rollout(
         keys: [len(rows)] int, the rows' positions in the run's data order.
         reward_funcs: ``f(prompts, completions, **columns) -> list[float | None]``.
         keep_logprobs: keep the engine's log-probs (None for an engine that returns none).
+        turns: with tools, ``turns(N)`` makes the batch's tool loop (``tool_turns.tool_loop``);
+            the rewards then get each trajectory's messages, and the rows their tool counts.
     """
     prompts = [row["prompt"] for row in rows for _ in range(group_size)]
     columns = {key: [row[key] for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
-    out = generator.generate([row["prompt"] for row in rows], group_size, keys)
+    loop = None if turns is None else turns(len(prompts))
+    out = generator.generate([row["prompt"] for row in rows], group_size, keys, **({"turns": loop} if loop else {}))
+    completions, counts = out.completions, None
+    if loop is not None:
+        C = out.completion_mask.shape[1]
+        ids = [row[real.bool()].tolist() for row, real in zip(out.input_ids[:, -C:], out.attention_mask[:, -C:])]
+        completions, counts = loop.trajectories(ids), loop.counts()
     return Samples(
         prompts=prompts,
-        completions=out.completions,
+        completions=completions,
         columns=columns,
         input_ids=out.input_ids,
         attention_mask=out.attention_mask,
         completion_mask=out.completion_mask,
-        rewards=score(reward_funcs, prompts, out.completions, columns),
+        rewards=score(reward_funcs, prompts, completions, columns),
         sampling_logprobs=out.logprobs if keep_logprobs or generator.drifts else None,
+        tool_counts=counts,
     )

@@ -36,7 +36,9 @@ class Generation(NamedTuple):
 
     input_ids        [N, P + C]  left-padded prompt, then the completion (padded after EOS)
     attention_mask   [N, P + C]  1 on real prompt tokens and on completion tokens up to EOS
-    completion_mask  [N, C]      float, 1 on completion tokens up to and including the first EOS
+    completion_mask  [N, C]      float, 1 on the model's sampled tokens: up to and including the
+                                 first EOS; in a multi-turn rollout (tools) every turn's, and
+                                 0 on the tools' tokens, which the attention mask keeps as context
     completions      [N] str     decoded without special tokens
     logprobs         [N, C]      the sampler's log-probs of the sampled tokens, or None
     """
@@ -46,6 +48,21 @@ class Generation(NamedTuple):
     completion_mask: torch.Tensor
     completions: list
     logprobs: torch.Tensor | None = None
+
+
+class Turns:
+    """What a multi-turn rollout (tool calls) asks of an engine: a turn ends at EOS or at one of
+    ``stop_token_ids``; when every row's turn has ended, :meth:`suffixes` gives each the tokens
+    to append (the tool results, then the next turn's opening) or None (its trajectory ends).
+    The appended tokens are the completion's, out of the loss (``completion_mask`` 0)."""
+
+    stop_token_ids: list = []
+
+    def suffixes(self, rows: list, turns: list, room: list) -> list:
+        """For each row that ended a turn: ``rows`` [n] its output row, ``turns`` [n] the token
+        ids it sampled in that turn, ``room`` [n] the completion tokens left of
+        ``max_new_tokens``. Returns [n] token-id lists (each shorter than its room), or None."""
+        raise NotImplementedError
 
 
 class Generator:
@@ -68,10 +85,11 @@ class Generator:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.runtime = runtime or Runtime.of(model)
 
-    def generate(self, prompts: list, group_size: int, keys: list) -> Generation:
+    def generate(self, prompts: list, group_size: int, keys: list, turns: Turns | None = None) -> Generation:
         """Samples ``group_size`` completions of each prompt. ``keys`` [num_prompts] int
         identify the prompts within the run (their data positions), so that an engine can
-        make a sample a function of (seed, key, sample index) alone."""
+        make a sample a function of (seed, key, sample index) alone. ``turns``: a multi-turn
+        rollout's tool loop (an engine of ``config.TURN_ENGINES`` runs it)."""
         raise NotImplementedError
 
     def publish(self, version: int) -> None:
@@ -147,6 +165,75 @@ def assemble(tokenizer, prompt_ids, prompt_mask, completion_ids, logprobs=None) 
         completion_mask=completion_mask.float(),
         completions=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
         logprobs=None if logprobs is None else logprobs * completion_mask,
+    )
+
+
+def assemble_turns(tokenizer, prompt_ids, prompt_mask, tokens, logprobs, sampled, written) -> Generation:
+    """The :class:`Generation` of a multi-turn rollout: completions [N, T] ``tokens`` where
+    ``written`` [N, T] bool marks every completion token (sampled or a tool's) and ``sampled``
+    [N, T] bool the model's; trimmed to the longest. The attention mask covers every written
+    token, the completion mask and the ``logprobs`` [N, T] (or None) the sampled ones only."""
+    width = max(1, int(written.any(0).nonzero().max()) + 1) if bool(written.any()) else 1
+    tokens, sampled, written = tokens[:, :width], sampled[:, :width], written[:, :width]
+    tokens = tokens.masked_fill(~written, tokenizer.pad_token_id)
+    return Generation(
+        input_ids=torch.cat([prompt_ids, tokens], dim=1),
+        attention_mask=torch.cat([prompt_mask, written.to(prompt_mask.dtype)], dim=1),
+        completion_mask=sampled.float(),
+        completions=tokenizer.batch_decode(tokens, skip_special_tokens=True),
+        logprobs=None if logprobs is None else logprobs[:, :width] * sampled,
+    )
+
+
+def continue_turns(sample, tokenizer, prompt_ids, prompt_mask, turns: Turns, max_new_tokens: int) -> Generation:
+    """A multi-turn rollout for an engine that continues rows from their token ids (hf, vllm):
+    turn after turn until no row goes on, ``sample`` each going row's turn from its whole
+    sequence, then append what ``turns`` gives it. The :class:`Generation` of
+    :func:`assemble_turns`.
+
+    Args:
+        sample: ``(rows [n], sequences [n] id lists, room, stop_ids) -> [n] (turn ids, their
+            log-probs or None)``: the next turn of each output row in ``rows``, from its whole
+            sequence, at most ``room`` tokens, ending at a stop id or not.
+        prompt_ids, prompt_mask: [N, P] the left-padded prompts (each row its own).
+    """
+    T, stop_ids, N = max_new_tokens, [tokenizer.eos_token_id, *turns.stop_token_ids], prompt_ids.shape[0]
+    prompts = [row[real.bool()].tolist() for row, real in zip(prompt_ids, prompt_mask)]
+    tokens, sampled, logprobs = ([[] for _ in range(N)] for _ in range(3))  # per row, sampled and tools'
+    going, engine_logprobs = list(range(N)), False
+    while going:
+        room = min(T - len(tokens[r]) for r in going)
+        ended = []
+        for r, (turn, logp) in zip(going, sample(going, [prompts[r] + tokens[r] for r in going], room, stop_ids)):
+            engine_logprobs |= logp is not None
+            tokens[r] += turn
+            sampled[r] += [True] * len(turn)
+            logprobs[r] += logp if logp is not None else [0.0] * len(turn)
+            if turn and turn[-1] in stop_ids and len(tokens[r]) < T:
+                ended.append((r, turn))
+        rows = [r for r, _ in ended]
+        suffixes = turns.suffixes(rows, [turn for _, turn in ended], [T - len(tokens[r]) for r in rows]) if rows else []
+        going = [r for r, suffix in zip(rows, suffixes) if suffix]
+        for r, suffix in zip(rows, suffixes):
+            if suffix:
+                tokens[r] += suffix
+                sampled[r] += [False] * len(suffix)
+                logprobs[r] += [0.0] * len(suffix)
+    width = max(1, max(len(row) for row in tokens))
+
+    def grid(values: list, fill, dtype):
+        return torch.tensor([row + [fill] * (width - len(row)) for row in values], dtype=dtype)
+
+    written = grid([[True] * len(row) for row in tokens], False, torch.bool)
+    device = prompt_ids.device
+    return assemble_turns(
+        tokenizer,
+        prompt_ids,
+        prompt_mask,
+        grid(tokens, tokenizer.pad_token_id, torch.long).to(device),
+        grid(logprobs, 0.0, torch.float32).to(device) if engine_logprobs else None,
+        grid(sampled, False, torch.bool).to(device),
+        written.to(device),
     )
 
 

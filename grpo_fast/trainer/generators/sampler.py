@@ -21,7 +21,16 @@ import inspect
 
 import torch
 
-from grpo_fast.trainer.generators import Generation, Generator, assemble, encode_prompts, evaluating, position_ids
+from grpo_fast.trainer.generators import (
+    Generation,
+    Generator,
+    Turns,
+    assemble,
+    assemble_turns,
+    encode_prompts,
+    evaluating,
+    position_ids,
+)
 from grpo_fast.trainer.generators.sampling import sample_streams, sample_tokens, stream_uniforms
 
 # With compile_generation, prompt widths are rounded up to a multiple of this, so that
@@ -107,10 +116,16 @@ class Sampler(Generator):
         return logits, cache
 
     @torch.no_grad()
-    def generate(self, prompts: list, group_size: int, keys: list) -> Generation:
+    def generate(self, prompts: list, group_size: int, keys: list, turns: Turns | None = None) -> Generation:
         """``group_size`` completions of each prompt; sample g of prompt i is a function of
         (config.seed, keys[i], g) and the weights alone. Returns the rollout layout of
-        :class:`Generation`, with the sampler's log-probs."""
+        :class:`Generation`, with the sampler's log-probs.
+
+        With ``turns`` (a multi-turn rollout: tool calls) a row whose turn ends (EOS or one of
+        ``turns.stop_token_ids``) waits while the others finish theirs; then ``turns`` gives
+        each waiting row the tokens to append (tool results and the next turn's opening), which
+        one forward writes into the KV cache, and decoding goes on from there: nothing earlier
+        is prefilled again. A waiting row rides along in the batch on a masked slot."""
         config, device = self.config, self.device
         if len(keys) != len(prompts):
             raise ValueError(f"keys must give one key per prompt ({len(prompts)}), got {len(keys)}")
@@ -122,47 +137,120 @@ class Sampler(Generator):
             x.to(device) for x in encode_prompts(self.tokenizer, prompts, config.max_prompt_length, multiple)
         )
         N, P = len(prompts) * G, prompt_ids.shape[1]
-        eos = self.tokenizer.eos_token_id
+        pad, ends_turn = self.tokenizer.pad_token_id, self._turn_ends(turns)
         key_tensor = torch.as_tensor(keys, dtype=torch.long, device=device).repeat_interleave(G)
         streams = sample_streams(config.seed, key_tensor, torch.arange(G, device=device).repeat(len(prompts)))
-        # Row r's token at step t sits at position prompt_len[r] + t, cache slot P + t.
-        positions = prompt_mask.sum(1).repeat_interleave(G)
+        # Row r's k-th completion token (sampled or a tool's) sits at position start[r] + k; it
+        # is drawn with the uniform of (stream, k). A row's cache slots: P, then one per forward.
+        start = prompt_mask.sum(1).repeat_interleave(G)
         mask = torch.cat([prompt_mask.repeat_interleave(G, dim=0), prompt_mask.new_ones(N, T)], dim=1)
-        tokens = torch.full((N, T), self.tokenizer.pad_token_id, dtype=torch.long, device=device)
+        tokens = torch.full((N, T), pad, dtype=torch.long, device=device)
         logprobs = torch.zeros(N, T, dtype=torch.float32, device=device)
+        sampled = torch.zeros(N, T, dtype=torch.bool, device=device)  # the model's tokens
+        written = torch.zeros(N, T, dtype=torch.bool, device=device)  # the model's and the tools'
+        length = torch.zeros(N, dtype=torch.long, device=device)  # completion tokens written per row
         rows = torch.arange(N, device=device)  # the output row of each batch row
-        live = torch.ones(N, dtype=torch.bool, device=device)
-        steps = 0
+        waiting = torch.zeros(N, dtype=torch.bool, device=device)  # turn ended, awaiting its suffix
+        slots, turn_start = P, [0] * N
         with evaluating(self.model), self.runtime.autocast():
             logits, cache = self._prefill(prompt_ids, prompt_mask, G, P + T)
-            for t in range(T):
+            while True:
                 token, logp = sample_tokens(
                     logits,
-                    stream_uniforms(streams, t),
+                    stream_uniforms(streams, length),
                     temperature=config.temperature,
                     top_k=config.top_k,
                     top_p=config.top_p,
                 )
-                tokens[rows, t], logprobs[rows, t] = token, logp
-                steps = t + 1
-                live = live & (token != eos)
-                n_live = int(live.sum())  # one host sync a step
-                if t == T - 1 or n_live == 0:
+                going = ~waiting
+                at = (rows[going], length[going])
+                tokens[at], logprobs[at], sampled[at], written[at] = token[going], logp[going], True, True
+                length = length + going
+                waiting = waiting | (going & ends_turn(token))
+                done = length >= T if turns is not None else waiting | (length >= T)
+                n_live = int((~done).sum())  # one host sync a step
+                if n_live == 0:
                     break
-                if not self.config.compile_generation and n_live < len(live):  # finished rows leave the batch
-                    keep = live.nonzero().squeeze(1)
+                if not self.config.compile_generation and n_live < len(done):  # finished rows leave the batch
+                    keep = (~done).nonzero().squeeze(1)
                     cache.reorder_cache(keep)
-                    rows, streams, positions, mask, token, live = (
-                        x[keep] for x in (rows, streams, positions, mask, token, live)
+                    rows, streams, start, length, mask, token, waiting, going = (
+                        x[keep] for x in (rows, streams, start, length, mask, token, waiting, going)
                     )
-                step_mask = mask if self.static_cache else mask[:, : P + t + 1]
+                    turn_start = [turn_start[i] for i in keep.tolist()] if turns is not None else turn_start
+                if turns is not None and bool(waiting.all()):  # every turn has ended: the tools answer
+                    turn_ids = [tokens[r, a:b].tolist() for r, a, b in zip(rows.tolist(), turn_start, length.tolist())]
+                    suffixes = turns.suffixes(rows.tolist(), turn_ids, (T - length).tolist())
+                    keep = [i for i, suffix in enumerate(suffixes) if suffix]
+                    if not keep:
+                        break
+                    # a turn's last token, sampled this step, is not in the cache yet: it leads the block
+                    fed = [turn_ids[i][-1:] if fresh else [] for i, fresh in zip(keep, going[keep].tolist())]
+                    if len(keep) < len(rows):
+                        index = torch.as_tensor(keep, device=device)
+                        cache.reorder_cache(index)
+                        rows, streams, start, length, mask = (x[index] for x in (rows, streams, start, length, mask))
+                    block, block_mask = _left_padded([f + suffixes[i] for f, i in zip(fed, keep)], pad, device)
+                    S = block.shape[1]
+                    for i, r in enumerate(rows.tolist()):  # the suffix is the completion's, not sampled
+                        n = len(suffixes[keep[i]])
+                        tokens[r, int(length[i]) : int(length[i]) + n] = block[i, S - n :]
+                        written[r, int(length[i]) : int(length[i]) + n] = True
+                    mask = _widen(mask, slots + S)
+                    mask[:, slots : slots + S] = block_mask
+                    first = length - torch.as_tensor([len(f) for f in fed], device=device)  # the block's first
+                    positions = start.unsqueeze(1) + first.unsqueeze(1) + block_mask.cumsum(1) - 1
+                    out = self.model(
+                        input_ids=block,
+                        attention_mask=mask[:, : slots + S],
+                        position_ids=positions.clamp(min=0),
+                        use_cache=True,
+                        **{self.cache_argument: cache},
+                    )
+                    slots += S
+                    length = length + torch.as_tensor([len(suffixes[i]) for i in keep], device=device)
+                    turn_start = length.tolist()
+                    logits, waiting = out.logits[:, -1], torch.zeros_like(length, dtype=torch.bool)
+                    continue
+                if turns is not None:  # a row that sampled nothing this step has a masked slot
+                    mask = _widen(mask, slots + 1)
+                    mask[:, slots] = going.long()
+                step_mask = mask if self.static_cache else mask[:, : slots + 1]
                 out = self._forward(
-                    input_ids=token.unsqueeze(1),
+                    input_ids=token.where(going, pad).unsqueeze(1),
                     attention_mask=step_mask,
-                    position_ids=(positions + t).unsqueeze(1),
+                    position_ids=(start + length - 1).unsqueeze(1),
                     use_cache=True,
                     **{self.cache_argument: cache},
                 )
+                slots += 1
                 logits = out.logits[:, -1]
         ids, prompt_mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
-        return assemble(self.tokenizer, ids, prompt_mask, tokens[:, :steps], logprobs[:, :steps])
+        if turns is None:
+            width = int(length.max())
+            return assemble(self.tokenizer, ids, prompt_mask, tokens[:, :width], logprobs[:, :width])
+        return assemble_turns(self.tokenizer, ids, prompt_mask, tokens, logprobs, sampled, written)
+
+    def _turn_ends(self, turns: Turns | None):
+        """``f(token [n]) -> [n] bool``: the tokens that end a row's turn: EOS, and with
+        ``turns`` its stop tokens (a tool call's end)."""
+        ends = torch.as_tensor(
+            [self.tokenizer.eos_token_id, *(turns.stop_token_ids if turns else [])], device=self.device
+        )
+        return lambda token: torch.isin(token, ends)
+
+
+def _widen(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """``mask`` [n, L] with zero columns appended up to ``width`` (as it is when wide enough)."""
+    return mask if mask.shape[1] >= width else torch.nn.functional.pad(mask, (0, width - mask.shape[1]))
+
+
+def _left_padded(sequences: list, pad: int, device) -> tuple:
+    """``(ids [n, S], mask [n, S] long)`` of token lists, left-padded to the longest: a batch's
+    last column is each row's last token, whose logits continue it."""
+    S = max(len(seq) for seq in sequences)
+    ids = torch.full((len(sequences), S), pad, dtype=torch.long)
+    mask = torch.zeros(len(sequences), S, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, S - len(seq) :], mask[i, S - len(seq) :] = torch.as_tensor(seq, dtype=torch.long), 1
+    return ids.to(device), mask.to(device)

