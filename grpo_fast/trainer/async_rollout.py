@@ -63,12 +63,14 @@ import traceback
 import torch
 import transformers
 
+from grpo_fast.tools import ToolTemplate
 from grpo_fast.trainer.generators import make_generator
 from grpo_fast.trainer.packed_policy import PackedPolicy
 from grpo_fast.trainer.packing import pack_micro_batches
 from grpo_fast.trainer.rollout import Samples, reference_context, rollout
 from grpo_fast.trainer.runtime import Runtime
 from grpo_fast.trainer.sources import RolloutSource
+from grpo_fast.trainer.tool_turns import ToolLoop
 
 POLL_S = 0.05  # how often a waiting side checks that the other is still alive
 
@@ -115,6 +117,7 @@ class WorkerSetup:
     reference_is_policy: bool  # a peft policy: its reference is itself with the adapters off
     tokenizer: object
     reward_funcs: list
+    tools: list  # the resolved Tools (functions pickle by reference); [] without tools
     device: str
     threads: int  # torch threads on CPU
     rank: int
@@ -140,11 +143,12 @@ class AsyncRollouts(RolloutSource):
             to the worker when it starts.
         tokenizer, reward_funcs: the run's.
         data: the run's :class:`~grpo_fast.trainer.data.DataOrder`.
+        tools: the run's resolved tools ([] without): the worker runs the tool loop.
     """
 
-    def __init__(self, config, runtime: Runtime, policy, reference, tokenizer, reward_funcs: list, data):
+    def __init__(self, config, runtime: Runtime, policy, reference, tokenizer, reward_funcs: list, data, tools=()):
         self.config, self.runtime, self.policy, self.reference = config, runtime, policy, reference
-        self.tokenizer, self.reward_funcs, self.data = tokenizer, reward_funcs, data
+        self.tokenizer, self.reward_funcs, self.data, self.tools = tokenizer, reward_funcs, data, list(tools)
         self.process = None
         self._metrics: dict = {}
 
@@ -170,6 +174,7 @@ class AsyncRollouts(RolloutSource):
             reference_is_policy=self.reference is self.policy,
             tokenizer=self.tokenizer,
             reward_funcs=self.reward_funcs,
+            tools=self.tools,
             device=str(device),
             threads=threads,
             rank=runtime.ranks.rank,
@@ -302,6 +307,7 @@ class Worker:
         self.params = dict(self.model.named_parameters())
         self.loaded = -1
         self.generator = make_generator(config.generator, self.model, setup.tokenizer, config, runtime)
+        self.tool_loop = ToolLoop(ToolTemplate(setup.tokenizer, setup.tools), config) if setup.tools else None
         self.packed = PackedPolicy(self.model, config.loss_config(), runtime)
         self.reference, self.reference_packed = None, None
         if setup.reference_is_policy:
@@ -323,7 +329,13 @@ class Worker:
             self._load_newest()
             start = time.perf_counter()
             samples = rollout(
-                self.generator, rows, keys, setup.reward_funcs, group_size=config.group_size, keep_logprobs=True
+                self.generator,
+                rows,
+                keys,
+                setup.reward_funcs,
+                group_size=config.group_size,
+                keep_logprobs=True,
+                turns=self.tool_loop,
             )
             micro = self._micro_batches(samples)  # as the trainer will pack it
             if samples.sampling_logprobs is None:
@@ -337,6 +349,7 @@ class Worker:
                 worker_rollout_s=rollout_s,
                 worker_reference_share=done / max(samples.input_ids.shape[0], 1),
                 **self.generator.metrics(),
+                **(self.tool_loop.metrics() if self.tool_loop else {}),
             )
             samples = samples.to("cpu")
             # Plain pickle: the tensors' bytes travel in the message (a few KB a row), not as

@@ -174,7 +174,14 @@ class GRPOTrainer:
         config = self.config
         if config.max_staleness:
             return AsyncRollouts(
-                config, self.runtime, self.policy, self.reference, self.tokenizer, self.reward_funcs, self.data
+                config,
+                self.runtime,
+                self.policy,
+                self.reference,
+                self.tokenizer,
+                self.reward_funcs,
+                self.data,
+                self.tools,
             )
         engine = make_generator(config.generator, self.policy, self.tokenizer, config, self.runtime)
         return InProcessRollouts(

@@ -66,7 +66,13 @@ def parameters(config: dict) -> dict:
 def columns_and_data(rows: list) -> tuple:
     """``(column names, [one list of values per row])`` of rows (dicts with the same keys)."""
     columns = list(rows[0])
-    return columns, [[row[column] for column in columns] for row in rows]
+    return columns, [[_cell(row[column]) for column in columns] for row in rows]
+
+
+def _cell(value):
+    """A table cell: a trajectory's messages (a multi-turn rollout) as JSON text, which every
+    library's tables hold."""
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, (list, dict)) else value
 
 
 class Tracker:
