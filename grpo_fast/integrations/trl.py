@@ -37,6 +37,15 @@ come from one no-grad sweep of the LM head over the same hidden states (no secon
 pass), TRL's ``get_high_entropy_mask`` turns them into the mask, and the mask multiplies the
 policy term through ``importance_weights``, as in TRL.
 
+Tools (``tools=[...]``, ``environment_factory``, a ``rollout_func``'s ``env_mask``): TRL's tool
+loop runs unchanged (parsing, tool calls, ``max_tool_calling_iterations``, the
+``tools/call_frequency`` and ``tools/failure_frequency`` metrics). Its ``tool_mask`` (1 for the
+model's tokens, 0 for the tool results') multiplies the completion mask as in TRL's
+``_compute_loss``: tool-result tokens are attended to but are out of the loss, the KL, the
+sequence-level ratio, the importance-sampling correction, the entropy quantile and the
+metrics, and never go through the LM head; the dapo/cispo normaliser is TRL's
+``num_items_in_batch``, which counts the model's tokens only.
+
 What the fused loss does not cover defers to TRL's own path, with one warning per reason,
 never a silent change of the math: loss types grpo_fast does not have (vespo), the
 off-policy sequence mask, the entropy bonus, MoE auxiliary losses, models whose forward takes
@@ -311,6 +320,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         mode = "train" if self.model.training else "eval"
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        # TRL's loss mask: tool-result tokens (tool_mask 0) are attended to, never in the loss
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         weights = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
