@@ -99,3 +99,80 @@ def test_without_turns_the_sampler_is_unchanged(model_and_tokenizer):
     assert torch.equal(plain.input_ids, never.input_ids[:, : plain.input_ids.shape[1]]) or C == 0
     torch.testing.assert_close(plain.completion_mask, never.completion_mask[:, :C])
     torch.testing.assert_close(plain.logprobs, never.logprobs[:, :C])
+
+
+# ---------------------------------------------------------------- the trainer with tools
+
+TOOL_RUN = dict(task="tool_arithmetic", tools=["calculator"], batch_size=16, group_size=4, progress=False)
+
+
+@pytest.fixture
+def short_warm_start(monkeypatch):
+    """The tool task's warm start cut to 30 steps: these tests check the machinery, not learning."""
+    import functools
+
+    from grpo_fast.tasks import tool_arithmetic
+
+    monkeypatch.setattr(tool_arithmetic, "warm_start", functools.partial(tool_arithmetic.warm_start, steps=30))
+
+
+def test_a_tool_run_logs_its_turns_and_resumes_exactly(tmp_path, short_warm_start):
+    """The tool task with the calculator: the log line has TRL's tools/* metrics,
+    completions.jsonl each turn with its role, and a run cut after step 2 and resumed logs
+    steps 3 and 4 exactly as the uninterrupted run (timings aside)."""
+    import shutil
+
+    from conftest import without_timings
+
+    from grpo_fast.trainer import GRPOTrainer
+    from grpo_fast.trainer import checkpoint as ckpt
+    from grpo_fast.trainer.run_log import read_completions, read_metrics
+
+    def config(name):
+        return GRPOConfig.from_dict(dict(TOOL_RUN, steps=4, save_every=2, output_dir=str(tmp_path / name)))
+
+    GRPOTrainer(config("full")).train()
+    full = read_metrics(str(tmp_path / "full"))
+    assert all(0 < m["tools/call_frequency"] and m["tools/turns_mean"] >= 1 for m in full)
+    assert {"tools/failure_frequency", "tools/seconds"} <= set(full[0])
+    trajectory = read_completions(str(tmp_path / "full"))[0]["completion"]
+    assert [m["role"] for m in trajectory][-1] == "assistant" and {"role", "content"} <= set(trajectory[0])
+    assert any(m["role"] == "tool" for row in read_completions(str(tmp_path / "full")) for m in row["completion"])
+
+    shutil.copytree(tmp_path / "full", tmp_path / "cut")
+    shutil.rmtree(ckpt.checkpoint_path(str(tmp_path / "cut"), 4))
+    resumed = GRPOTrainer(config("cut"))
+    assert resumed.resume() == 2
+    resumed.train()
+    assert without_timings(read_metrics(str(tmp_path / "cut"))) == without_timings(full)
+
+
+def test_tools_run_in_the_rollout_worker(tmp_path, short_warm_start):
+    """max_staleness 1: the worker runs the tool loop (its own template, the resolved tools)."""
+    from grpo_fast.trainer import GRPOTrainer
+
+    config = GRPOConfig.from_dict(dict(TOOL_RUN, steps=3, max_staleness=1, output_dir=str(tmp_path / "run")))
+    trainer = GRPOTrainer(config)
+    history = trainer.train()
+    assert len(history) == 3 and all(m["tools/call_frequency"] > 0 for m in history)
+    assert all("tools/seconds" in m for m in history)
+
+
+def test_bad_tools_are_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """A tool that is not a function, one without a schema, a template that does not render
+    tools: ValueError/TypeError naming it, and the model never loads."""
+    from grpo_fast.trainer import GRPOTrainer, grpo
+
+    def untyped(x):
+        """No type hint."""
+        return x
+
+    config = GRPOConfig.from_dict(dict(TOOL_RUN, steps=1, output_dir=str(tmp_path / "run")))
+    monkeypatch.setattr(grpo, "check_model_source", lambda config: None)
+    with pytest.raises(TypeError, match="tools: each entry must be a built-in tool name or a function"):
+        GRPOTrainer(config, tools=[42])
+    with pytest.raises(ValueError, match="cannot build the JSON schema of tool 'untyped'"):
+        GRPOTrainer(config, tools=[untyped])
+    demo = GRPOConfig.from_dict(dict(TOOL_RUN, task=None, steps=1, output_dir=str(tmp_path / "run")))
+    with pytest.raises(ValueError, match="chat_template"):
+        GRPOTrainer(demo)

@@ -356,6 +356,7 @@ def warm_start(
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             loss_value = loss.item()
+    model.zero_grad(set_to_none=True)  # the RL's first step must not add the last demonstrations' gradient
     model.train(was_training)
     return {"seconds": time.perf_counter() - start, "loss": loss_value}
 

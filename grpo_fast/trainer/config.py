@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option
-from grpo_fast.tasks import TASKS
+from grpo_fast.tasks import TASK_SETTINGS, TASKS
 from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
 from grpo_fast.tools import TOOLS
 from grpo_fast.trainer.generators import ENGINES
@@ -44,7 +44,9 @@ class GRPOConfig(LossConfig):
         None, "a Hub dataset name (openai/gsm8k), or a JSONL / CSV / Parquet file or dataset folder; None = the demo"
     )
     task: str | None = option(
-        None, "a built-in task, when no dataset is given: arithmetic (the demo), tool_arithmetic; None = arithmetic"
+        None,
+        "a built-in task, when no dataset is given: arithmetic (the demo), tool_arithmetic (multiplication with "
+        "the calculator; its own default max_new_tokens 32); None = arithmetic",
     )
     dataset_config: str | None = option(None, "the Hub dataset's configuration (gsm8k: main); also the eval dataset's")
     dataset_split: str | None = option(None, "the training split of a dataset with splits; None = train")
@@ -220,6 +222,7 @@ class GRPOConfig(LossConfig):
         """Builds and validates a config; TRL's names of our settings are taken as ours
         (:data:`TRL_ALIASES`), and unknown keys are a ValueError that names them."""
         values = from_trl_names(values)
+        values = {**TASK_SETTINGS.get(values.get("task"), {}), **values}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -114,7 +114,9 @@ class GRPOTrainer:
             )
         self.tool_loop = None
         if model is None:
-            model, tokenizer = load_model_and_tokenizer(config, runtime.flash_attention(), self._check_template)
+            model, tokenizer = load_model_and_tokenizer(
+                config, runtime.flash_attention(), self._check_template, tools=bool(self.tools)
+            )
         elif tokenizer is None:
             raise ValueError("a model passed to GRPOTrainer needs its tokenizer")
         else:
@@ -136,6 +138,7 @@ class GRPOTrainer:
                 self.policy, tokenizer, config, eval_rows, self.reward_funcs, self.reward_names, runtime, self.tool_loop
             )
         self.optimizer = adamw([p for p in self.policy.parameters() if p.requires_grad], config)
+        self.optimizer.zero_grad(set_to_none=True)  # a model handed over with gradients (a warm start's)
         self.scheduler = lr_scheduler(self.optimizer, config)
         self.step = 0
         self.data_position = 0

@@ -33,12 +33,14 @@ def check_model_source(config) -> None:
         ) from exc
 
 
-def load_model_and_tokenizer(config, flash_attention: bool = False, before_model=None):
+def load_model_and_tokenizer(config, flash_attention: bool = False, before_model=None, tools: bool = False):
     """The policy and tokenizer: ``config.model`` (a Hub name at ``config.model_revision``, or
     a local folder) through ``from_pretrained``, or the built-in task's (``config.task``).
     ``flash_attention`` loads the model with ``flash_attention_2``, whose varlen kernels run the
     packed forwards (see ``packing.py``). ``before_model(tokenizer)`` runs between the two (a
-    run with tools checks its chat template there, before the model takes its time to load)."""
+    run with tools checks its chat template there, before the model takes its time to load).
+    A built-in task with a warm start (tool_arithmetic) runs it, ``tools`` saying whether the
+    run has tools (its demonstrations call them or answer directly)."""
     if config.model is None:
         from grpo_fast.tasks import task_module
 
@@ -49,7 +51,10 @@ def load_model_and_tokenizer(config, flash_attention: bool = False, before_model
         # vLLM's CPU attention needs heads of 32 or more: its demo model has 2 heads of 32 (the
         # same weight shapes as the default's 4 heads of 16)
         heads = dict(num_attention_heads=2, num_key_value_heads=2) if config.generator == "vllm" else {}
-        return task.build_model(tokenizer, seed=config.seed, **heads), tokenizer
+        model = task.build_model(tokenizer, seed=config.seed, **heads)
+        if hasattr(task, "warm_start"):
+            task.warm_start(model, tokenizer, tools=tools, seed=config.seed)
+        return model, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model, revision=config.model_revision)

@@ -31,6 +31,7 @@ TIMING_KEYS = (
     "step_time_s",
     "peak_mem_bytes",
     "sync_time_s",
+    "tools/seconds",
     # asynchronous rollouts' waits and copies
     "rollout_wait_s",
     "worker_rollout_s",
