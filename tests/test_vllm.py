@@ -257,3 +257,29 @@ def test_turns_continue_from_token_ids(engine):
     policy = completion_logprobs(engine.model, out.input_ids, out.attention_mask, C)
     assert ((policy - out.logprobs) * out.completion_mask).abs().max().item() < 1e-3
     assert bool((out.logprobs[~sampled] == 0).all())
+
+
+def test_the_tool_task_trains_on_the_engine(tmp_path, monkeypatch):
+    """``--task tool_arithmetic --tools calculator --generator vllm``: the engine runs the tool
+    loop from token ids (the task's model and its chat template through the engine's weights
+    folder), and the log line has the tools' metrics and TRL's sampling metrics."""
+    import functools
+
+    from grpo_fast.tasks import tool_arithmetic
+
+    monkeypatch.setattr(tool_arithmetic, "warm_start", functools.partial(tool_arithmetic.warm_start, steps=30))
+    config = GRPOConfig.from_dict(
+        dict(
+            task="tool_arithmetic",
+            tools=["calculator"],
+            generator="vllm",
+            steps=2,
+            batch_size=16,
+            group_size=4,
+            progress=False,
+            output_dir=str(tmp_path / "run"),
+        )
+    )
+    history = GRPOTrainer(config).train()
+    assert len(history) == 2 and all(m["tools/call_frequency"] > 0 for m in history)
+    assert all(m["sampling/sampling_logp_difference/max"] < 1e-3 for m in history)

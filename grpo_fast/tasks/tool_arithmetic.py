@@ -74,7 +74,9 @@ import re
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from grpo_fast.tasks import arithmetic
 
 # The reward names the task is scored with by default (grpo_fast.tasks.get_reward_function).
 REWARDS = ("tool_arithmetic_reward",)
@@ -173,29 +175,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **sizes) -> LlamaForCausalLM:
-    """A freshly initialised 2-layer Llama (hidden 64), the demo's size, with room for a
-    two-turn trajectory (256 positions: a tool's error is text, a token per character), its
+    """The demo's model (``arithmetic.build_model``: a 2-layer Llama, hidden 64) with room for
+    a two-turn trajectory (256 positions: a tool's error is text, a token per character), its
     weights drawn with std 0.1 (see the module's docstring). ``sizes`` override the ``LlamaConfig``."""
-    shape = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        tie_word_embeddings=True,
+    return arithmetic.build_model(
+        tokenizer, seed, **{"max_position_embeddings": 256, "initializer_range": 0.1, **sizes}
     )
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        **{**shape, **sizes},
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config)
 
 
 def _row(a: int, b: int) -> dict:
