@@ -4,22 +4,23 @@ TRL's ``GRPOTrainer(tools=[...])`` parses each completion with the tokenizer's
 ``response_template`` (transformers >= 5.13), runs the tool calls, appends the chat template's
 tool-result turn to the completion and generates on; its ``tool_mask`` marks the model's tokens
 1 and the tool results' tokens 0, and ``_compute_loss`` takes ``completion_mask * tool_mask`` as
-the loss mask. Everything here is built locally: a character-level tokenizer with a small
-Hermes-style chat template (``<tool_call>{json}</tool_call>``, a ``tool`` role) and its
-response template, the tiny Llama of the arithmetic task, one typed tool. A random tiny model
-never writes a tool call, so generation is scripted (``_generate_single_turn`` replaced, the
-same in both trainers): per group, one correct call, one call with other arguments, one direct
-answer, one call of a tool that does not exist (a failure). The rest of the path is TRL's: the
-parsing, the tool execution, the tool-result tokens, ``tool_mask``, the rewards, the metrics.
+the loss mask. Everything here is built locally: tests/_hermes.py's tokenizer (a token a byte)
+with its Hermes-style chat template (the tools' schemas in a system turn, ``<tool_call>`` JSON,
+results as ``<tool_response>`` blocks of a user turn) and response template, the tiny Llama of
+the arithmetic task, one typed tool. A random tiny model never writes a tool call, so
+generation is scripted (``_generate_single_turn`` replaced, the same in both trainers): per
+group, one correct call, one call with other arguments, one direct answer, one call of a tool
+that does not exist (a failure). The rest of the path is TRL's: the parsing, the tool
+execution, the tool-result tokens, ``tool_mask``, the rewards, the metrics.
 """
 
 import os
-import string
 import tempfile
 import warnings
 
 import pytest
 import torch
+from _hermes import RESPONSE_TEMPLATE, make_tokenizer
 from conftest import max_err, rel_err
 
 trl = pytest.importorskip("trl", reason="TRL is in the [test] extra: pip install -e '.[test]'")
@@ -28,53 +29,21 @@ chat_template_utils = pytest.importorskip("trl.chat_template_utils")
 if not chat_template_utils._SUPPORTS_RESPONSE_TEMPLATE:
     pytest.skip("TRL's tool loop with a response_template needs transformers >= 5.13", allow_module_level=True)
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
-
 from grpo_fast.integrations.trl import GRPOTrainer  # noqa: E402
 from grpo_fast.tasks.arithmetic import build_model  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 CHECKPOINTING = {"activation_checkpointing": True} if hasattr(trl.GRPOConfig, "activation_checkpointing") else {}
 
-# Hermes-style: the tool names in a system turn, <tool_call>{"name": ..., "arguments": ...}</tool_call>
-# in the assistant turn, tool results in a "tool" turn. Prefix-preserving, as TRL requires.
-CHAT_TEMPLATE = (
-    "{%- if tools %}{{ '<|im_start|>system\\ntools:' }}{%- for tool in tools %} {{ tool.function.name }}{%- endfor %}"
-    "{{ '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' %}{{ '<|im_start|>assistant\\n' + message.content }}"
-    "{%- for call in message.tool_calls or [] %}{{ '<tool_call>' }}"
-    "{{- {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}{{ '</tool_call>' }}"
-    "{%- endfor %}{{ '<|im_end|>\\n' }}"
-    "{%- else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-# transformers' response template (what tokenizer.parse_response reads): TRL's Qwen3 one without <think>.
-RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "tool_calls": {
-            "open": "<tool_call>",
-            "close_pattern": r"</tool_call>\s*",
-            "repeats": True,
-            "content": "json",
-            "transform": {"type": "function", "function": "{content}"},
-        },
-        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
-    },
-}
 G = 4  # completions per prompt, and the batch (one prompt per step)
-MAX_COMPLETION = 128
+MAX_COMPLETION = 160
 # The scripted first turns of a group: a correct call, a call with other arguments, a direct
 # answer, a call of a tool that does not exist (TRL answers it with an error, a failure).
 FIRST_TURNS = (
-    '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>',
-    '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 4}}</tool_call><|im_end|>',
+    '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
+    '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 4}}\n</tool_call><|im_end|>',
     "5<|im_end|>",
-    '<tool_call>{"name": "mul", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>',
+    '<tool_call>\n{"name": "mul", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
 )
 
 
@@ -88,27 +57,6 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def build_tool_tokenizer() -> PreTrainedTokenizerFast:
-    """Character level over printable ASCII, with the chat markers and tool-call tags as single tokens."""
-    specials, tags = ["<pad>", "<|im_start|>", "<|im_end|>"], ["<tool_call>", "</tool_call>"]
-    characters = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + tags + characters)}, "<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        pad_token="<pad>",
-        eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"],
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-    )
-    tokenizer.add_tokens(tags)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.response_template = RESPONSE_TEMPLATE
-    return tokenizer
-
-
 def final_answer_reward(prompts, completions, answer, **columns):
     """1 when the last assistant message is the answer."""
     return [float(c[-1]["content"].strip() == a) for c, a in zip(completions, answer)]
@@ -116,9 +64,10 @@ def final_answer_reward(prompts, completions, answer, **columns):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tokenizer = build_tool_tokenizer()
+    tokenizer = make_tokenizer()
+    tokenizer.response_template = RESPONSE_TEMPLATE  # what TRL's loop parses the completions by
     folder = str(tmp_path_factory.mktemp("trl_tools") / "model")
-    build_model(tokenizer, seed=0, max_position_embeddings=256).save_pretrained(folder)
+    build_model(tokenizer, seed=0, max_position_embeddings=640).save_pretrained(folder)
     rows = [{"prompt": [{"role": "user", "content": "2+3?"}], "answer": "5"}] * 16
     return tokenizer, folder, datasets.Dataset.from_list(rows)
 
@@ -132,10 +81,10 @@ def scripted_generation(trainer):
         texts = []
         for i, ids in enumerate(prompt_ids):
             prompt = tokenizer.decode(ids)
-            if "<|im_start|>tool\n" not in prompt:
+            if "<tool_response>" not in prompt:
                 texts.append(FIRST_TURNS[i % G])
             else:
-                result = prompt.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
+                result = prompt.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>")[0]
                 texts.append((result if result.isdigit() else "9") + "<|im_end|>")
         return [tokenizer.encode(text, add_special_tokens=False) for text in texts], None
 
@@ -193,7 +142,9 @@ def tool_batch(trainers, setup):
     assert stock._metrics["train"]["tools/failure_frequency"] == [pytest.approx(1 / 3)]  # "mul" does not exist
     tool_mask, completion_mask = batch["tool_mask"], batch["completion_mask"]
     tool_tokens = ((tool_mask == 0) & (completion_mask == 1)).sum(1).tolist()
-    assert tool_tokens == [21, 21, 0, 52]  # the tool-result turns ("\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>...")
+    # the tool-result turns, a token a byte but for the markers: 54 for "\n<|im_start|>user\n<tool_response>
+    # \n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n", 85 for mul's error
+    assert tool_tokens == [54, 54, 0, 85]
     assert int(batch["num_items_in_batch"]) == int((tool_mask * completion_mask).sum())  # TRL's count skips them
     g = torch.Generator().manual_seed(0)
     B, T = batch["completion_ids"].shape
@@ -224,7 +175,8 @@ def loss_and_grads(trainer, batch):
 
 def assert_close(loss, grads, our_loss, our_grads, tol=1e-5):
     assert torch.isfinite(our_loss)
-    assert abs(float(our_loss - loss)) <= tol * abs(float(loss)), (float(our_loss), float(loss))
+    # 1e-7: float32 rounding of per-token terms of size ~1, where the loss nearly cancels (gspo: 1.1e-3)
+    assert abs(float(our_loss - loss)) <= tol * abs(float(loss)) + 1e-7, (float(our_loss), float(loss))
     for name, grad in grads.items():
         assert rel_err(our_grads[name], grad) < tol and max_err(our_grads[name], grad) < tol, name
 

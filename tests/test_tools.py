@@ -1,7 +1,7 @@
 """grpo_fast.tools: resolving tools, parsing and running calls, the built-in tools, the chat-template side.
 
-No download: the tokenizer is a byte-level BPE trained here on a few lines, with a Hermes-style
-(Qwen2.5-like) tool-calling chat template written below.
+No download: the tokenizer (one token a byte), its Hermes-style (Qwen2.5-like) tool-calling chat
+template and response template are tests/_hermes.py's; the broken templates below are made from it.
 """
 
 import asyncio
@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from _hermes import RESPONSE_TEMPLATE, hermes_template, make_tokenizer
 
 from grpo_fast.tools import (
     TOOLS,
@@ -28,86 +29,15 @@ from grpo_fast.tools import (
 )
 from grpo_fast.tools.calculator import calculator
 
-# ChatML with tools the way Qwen2.5 does it: schemas in a system turn, calls as <tool_call> JSON in
-# the assistant turn, results as <tool_response> blocks of one user turn, `<|im_end|>\n` after each.
-HERMES_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\nYou may call these tools:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    '{{- \'\\n</tools>\\nCall one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\\n\' }}'
-    "{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' + (ASSISTANT_CONTENT) }}"
-    "{%- for call in m.tool_calls or [] %}"
-    "{%- if m.content or not loop.first %}{{- '\\n' }}{%- endif %}"
-    '{{- \'<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' }}'
-    "{{- (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- elif m.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-TOOL_TEMPLATE = HERMES_TEMPLATE.replace("ASSISTANT_CONTENT", "m.content or ''")
 # Drops the content of every assistant turn but the last message: not prefix-preserving.
-REWRITING_TEMPLATE = HERMES_TEMPLATE.replace("ASSISTANT_CONTENT", "(m.content if loop.last else '') or ''")
+REWRITING_TEMPLATE = hermes_template(assistant_content="(m.content if loop.last else '') or ''")
 # Plain ChatML: knows nothing of tools.
 PLAIN_TEMPLATE = (
     "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 # Renders the tools in the prompt and tool results, but not the assistant's calls.
-CALL_DROPPING_TEMPLATE = HERMES_TEMPLATE.replace("m.tool_calls or []", "[]").replace("ASSISTANT_CONTENT", "m.content")
-
-# A response template for transformers' own parse_response, Hermes-style (written for this test).
-HERMES_RESPONSE = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "tool_calls": {
-            "open": "<tool_call>",
-            "close_pattern": r"</tool_call>\s*",
-            "repeats": True,
-            "content": "json",
-            "transform": {"type": "function", "function": "{content}"},
-        },
-        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
-    },
-}
-SPECIAL = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
-
-
-def make_tokenizer(chat_template=TOOL_TEMPLATE, special=()):
-    tokenizers = pytest.importorskip("tokenizers")
-    from transformers import PreTrainedTokenizerFast
-
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE())
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIAL + list(special),
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = [
-        "print('hello world')",
-        "def f(x):\n    return x * 2",
-        "The answer is 42.",
-        '{"name": "python", "arguments": {"code": "print(1)"}}',
-        "<tool_response>\n6\n</tool_response>",
-    ]
-    backend.train_from_iterator(corpus * 10, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, chat_template=chat_template, eos_token="<|im_end|>", pad_token="<|im_end|>"
-    )
+CALL_DROPPING_TEMPLATE = hermes_template(assistant_content="m.content", tool_calls="[]")
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +82,19 @@ async def async_sleep(seconds: float) -> dict:
     """
     await asyncio.sleep(seconds)
     return {"slept": seconds}
+
+
+def one_at_a_time(seconds: float) -> str:
+    """Sleep, one call at a time.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "ok"
+
+
+one_at_a_time.max_concurrency = 1
 
 
 def table(*functions):
@@ -287,7 +230,7 @@ def test_parse_unclosed_call():
 
 def test_parse_with_the_tokenizers_response_template():
     tok = make_tokenizer()
-    tok.response_template = HERMES_RESPONSE
+    tok.response_template = RESPONSE_TEMPLATE
     text = 'I will add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>'
     content, calls = parse_tool_calls(text, tok)
     assert content == "I will add." and calls == [ToolCall("add", {"a": 1, "b": 2})]
@@ -362,34 +305,14 @@ def test_run_in_parallel_and_within_max_concurrency():
     )
     assert time.monotonic() - start < 0.9 and not any(r.failed for r in results)
 
-    def one_at_a_time(seconds: float) -> str:
-        """Sleep, one call at a time.
-
-        Args:
-            seconds: How long.
-        """
-        time.sleep(seconds)
-        return "ok"
-
-    one_at_a_time.max_concurrency = 1
     start = time.monotonic()
     results = run_tool_calls([ToolCall("one_at_a_time", {"seconds": 0.2})] * 3, table(one_at_a_time))
     assert time.monotonic() - start >= 0.6 and [r.content for r in results] == ["ok"] * 3
 
 
 def test_a_hung_call_holding_the_only_slot_does_not_hang_the_batch():
-    def stuck(seconds: float) -> str:
-        """Sleep, one call at a time.
-
-        Args:
-            seconds: How long.
-        """
-        time.sleep(seconds)
-        return "ok"
-
-    stuck.max_concurrency = 1
     start = time.monotonic()
-    first, second = run_tool_calls([ToolCall("stuck", {"seconds": 3})] * 2, table(stuck), timeout_s=0.2)
+    first, second = run_tool_calls([ToolCall("one_at_a_time", {"seconds": 3})] * 2, table(one_at_a_time), timeout_s=0.2)
     assert time.monotonic() - start < 1.0
     assert "timed out after 0.2s" in first.content and "waiting for a free slot" in second.content
 
@@ -490,7 +413,7 @@ def test_python_tool(monkeypatch):
 
 
 def assistant_text(content, calls):
-    """The assistant turn exactly as TOOL_TEMPLATE renders it, ending with its end-of-turn token."""
+    """The assistant turn exactly as _hermes.CHAT_TEMPLATE renders it, ending with its end-of-turn token."""
     blocks = [f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a)}}}\n</tool_call>' for n, a in calls]
     return content + ("\n" if content and blocks else "") + "\n".join(blocks) + "<|im_end|>"
 
