@@ -3,10 +3,13 @@ its rewards (a right answer in the asked-for format scores the most, a wrong one
 training step runs, and its header's predicted memory matches the arithmetic it states.
 
 Nothing is downloaded: the recipe's Hub model and datasets are swapped for the demo's tiny
-model saved to a folder and JSONL files with the columns the recipe names, in rows shaped like
-the Hub dataset's (GSM8K's "#### 42" answers, MATH's \\boxed{} solutions, MBPP's test lists).
-A new recipe is covered as soon as it exists; one whose dataset has no rows below fails,
-asking for them.
+model with a Hermes-style chat template (tests/_hermes.py: Qwen2.5's layout, tools included,
+prefix-preserving, so every recipe's prompts are chat-formatted as with Qwen and a recipe with
+`tools` starts its tool loop) saved to a folder, and JSONL files with the columns the recipe
+names, in rows shaped like the Hub dataset's (GSM8K's "#### 42" answers, MATH's \\boxed{}
+solutions, MBPP's test lists). A new recipe is covered as soon as it exists; one whose dataset
+has no rows below fails, asking for them. A recipe with tools is also scored on trajectories
+(message lists, as the tool loop gives the rewards), and its one step runs with the tools on.
 """
 
 import glob
@@ -17,8 +20,9 @@ import re
 
 import pytest
 import torch
+from _hermes import make_tokenizer
 
-from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
+from grpo_fast.tasks.arithmetic import build_model
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer.evaluation import check_reward_columns, load_eval_rows
 from grpo_fast.trainer.rollout import score
@@ -98,6 +102,25 @@ HUB_ROWS = {
         f"<think>Nothing is shared.</think>\n<answer>\n{WRONG_CODE}\n</answer>",
     ),
 }
+# Per Hub dataset a recipe with tools trains on: trajectories for its first row, as the tool loop
+# gives them to the rewards (assistant turns with their tool_calls, the tool messages, the final
+# assistant message): one that answers right in its final message, and one whose final message is
+# wrong although an earlier turn had the right answer (the rewards score the final message).
+_CALL = {"type": "function", "function": {"name": "python", "arguments": {"code": "print(1/2 + 1/4)"}}}
+TRAJECTORIES = {
+    "DigitalLearningGmbH/MATH-lighteval": (
+        [
+            {"role": "assistant", "content": "Let me compute it.", "tool_calls": [_CALL]},
+            {"role": "tool", "name": "python", "content": "0.75"},
+            {"role": "assistant", "content": "The program printed 0.75, so the answer is $\\boxed{\\frac{3}{4}}$."},
+        ],
+        [
+            {"role": "assistant", "content": "Maybe $\\boxed{\\frac{3}{4}}$; let me check.", "tool_calls": [_CALL]},
+            {"role": "tool", "name": "python", "content": "0.75"},
+            {"role": "assistant", "content": "So the answer is $\\boxed{\\frac{1}{3}}$."},
+        ],
+    ),
+}
 # The reference answer the loader leaves in the first row's "answer" (None: the rewards read other columns).
 REFERENCE_ANSWERS = {
     "openai/gsm8k": "10",
@@ -136,10 +159,11 @@ def recipe_id(path):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    """The demo's model and tokenizer in a save_pretrained folder, with room for long prompts."""
+    """The demo's model with a byte-level tokenizer whose chat template is Hermes-style (renders
+    tools, prefix-preserving), in a save_pretrained folder, with room for long prompts."""
     path = tmp_path_factory.mktemp("model")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer, max_position_embeddings=1024).save_pretrained(path)
+    tokenizer = make_tokenizer()
+    build_model(tokenizer, max_position_embeddings=2048).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 
@@ -177,6 +201,9 @@ def test_the_recipe_is_a_valid_config_with_its_command_in_the_header(path):
     assert config.model in MODEL_SHAPES and config.dataset is not None and config.eval_dataset is not None
     assert config.max_tokens_per_micro_batch is not None, "a token budget bounds the update's memory"
     assert config.precision == "auto" and config.reward_funcs
+    if config.tools:
+        assert config.max_new_tokens >= 2 * config.max_tool_response_tokens, "room for turns and results"
+        assert re.search(r"Predicted time:.*sandbox", header, re.DOTALL), "the time counts the tool calls"
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=recipe_id)
@@ -198,6 +225,8 @@ def test_the_column_mapping_reaches_the_rewards(path, tmp_path, tiny_model):
     assert PROMPT_SHOWS[hub_name] in row["prompt"], "the prompt shows what the model must answer"
     if "format_reward" in config.reward_funcs:
         assert "<think>" in row["prompt"] and "<answer>" in row["prompt"], "the prompt asks for the checked format"
+    for name in config.tools or []:
+        assert f'"name": "{name}"' in row["prompt"], "the prompt shows the tool's schema"
     completions = [right, unformatted, wrong]
     columns = {key: [value] * 3 for key, value in row.items() if key != "prompt"}
     rewards = score(funcs, [row["prompt"]] * 3, completions, columns)  # [3, K]
@@ -205,8 +234,19 @@ def test_the_column_mapping_reaches_the_rewards(path, tmp_path, tiny_model):
     total = (rewards * weights).sum(1).tolist()
     assert rewards[0].tolist() == [1.0] * len(funcs), dict(zip(config.reward_funcs, rewards[0].tolist()))
     assert total[0] == pytest.approx(weights.sum().item())
-    assert total[0] > total[1] > total[2], total
+    if "format_reward" in config.reward_funcs:
+        assert total[0] > total[1] > total[2], total
+    else:  # the layout is not rewarded: a right answer is right in any
+        assert total[0] == total[1] > total[2], total
     assert total[0] >= config.eval_pass_threshold > total[2], "eval's pass threshold separates right from wrong"
+    if config.tools:  # the rewards get trajectories: the final assistant message is scored
+        assert hub_name in TRAJECTORIES, f"add trajectories for {hub_name!r} to TRAJECTORIES in {__file__}"
+        trajectories = list(TRAJECTORIES[hub_name])
+        columns = {key: [value] * 2 for key, value in row.items() if key != "prompt"}
+        rewards = score(funcs, [row["prompt"]] * 2, trajectories, columns)
+        total = (rewards * weights).sum(1).tolist()
+        assert total[0] == pytest.approx(weights.sum().item()), dict(zip(config.reward_funcs, rewards[0].tolist()))
+        assert total[0] >= config.eval_pass_threshold > total[1], total
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=recipe_id)
@@ -235,6 +275,8 @@ def test_one_training_step_of_the_recipe(path, tmp_path, tiny_model):
         trainer.close()
     assert len(history) == 1 and math.isfinite(history[0]["loss"])
     assert os.path.isdir(tmp_path / "run" / "final")
+    if config.tools:  # the step ran the tool loop (the tiny random model rarely calls a tool)
+        assert "tools/call_frequency" in history[0] and "tools/turns_mean" in history[0], sorted(history[0])
 
 
 def predicted_peak_bytes(config: GRPOConfig) -> float:
