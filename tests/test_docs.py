@@ -143,3 +143,27 @@ def test_headline_numbers_match_their_json(page):
         assert script is None or os.path.isfile(os.path.join(ROOT, script.group(1))), command
         assert command.startswith(("`python benchmarks/", "`grpo-fast ")), command
     assert sorted(cited) == sorted(HEADLINES), f"{page}: the headline table cites {cited}"
+
+
+def test_the_tool_task_numbers_match_their_json():
+    """docs/tools.md's table and the README's sentence print the runs of tools_cpu.json: per seed
+    pass@1 with the calculator after the warm start and after RL, without it, the gap."""
+    with open(os.path.join(RESULTS, "tools_cpu.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    runs = {(r["seed"], r["tools"]): r for r in data["runs"]}
+
+    def final(run):
+        return run["pass_at_1"][max(run["pass_at_1"], key=int)]
+
+    page = read("docs", "tools.md")
+    for seed in sorted({seed for seed, _ in runs}):
+        tools, plain = runs[seed, True], runs[seed, False]
+        seconds = f"{tools['wall_s']:.0f} s / {plain['wall_s']:.0f} s"
+        row = (
+            f"| {seed} | {tools['pass_at_1']['0']:.3f} -> {final(tools):.3f} | {plain['pass_at_1']['0']:.3f} -> "
+            f"{final(plain):.3f} | {final(tools) - final(plain):+.3f} | {seconds} |"
+        )
+        assert row in page, row
+    readme = " ".join(read("README.md").split())
+    finals = ", ".join(f"{final(runs[seed, True]):.2f}" for seed in (0, 1))
+    assert f"{finals} and {final(runs[2, True]):.2f} with the calculator" in readme
