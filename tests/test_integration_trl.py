@@ -60,15 +60,16 @@ def setup(tmp_path_factory):
     return tokenizer, folder, datasets.Dataset.from_list(build_dataset(num_rows=64, seed=0))
 
 
-def make_trainer(cls, setup, reward_funcs=arithmetic_reward, peft_config=None, **options):
+def make_trainer(cls, setup, reward_funcs=arithmetic_reward, peft_config=None, tools=None, **options):
+    """A TRL GRPOTrainer of class ``cls`` (stock or ours) on ``setup``'s model folder and rows,
+    CPU, no saving; ``options`` are GRPOConfig's; ``tools`` TRL's tool loop's (test_integration_trl_tools)."""
     tokenizer, folder, dataset = setup
-    options = {"per_device_train_batch_size": B, "num_generations": 4, **options}
+    options = {"per_device_train_batch_size": B, "num_generations": 4, "max_completion_length": T, **options}
     args = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(dir=os.path.dirname(folder)),
         use_cpu=True,
         bf16=False,
         report_to="none",
-        max_completion_length=T,
         save_strategy="no",
         disable_tqdm=True,
         logging_steps=1,
@@ -84,6 +85,7 @@ def make_trainer(cls, setup, reward_funcs=arithmetic_reward, peft_config=None, *
             train_dataset=dataset,
             processing_class=tokenizer,
             peft_config=peft_config,
+            **({"tools": tools} if tools else {}),
         )
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train() otherwise
     trainer.model.train()  # as in train(): from_pretrained leaves it in eval mode, whose loss and metrics differ

@@ -14,14 +14,13 @@ that does not exist (a failure). The rest of the path is TRL's: the parsing, the
 execution, the tool-result tokens, ``tool_mask``, the rewards, the metrics.
 """
 
-import os
-import tempfile
 import warnings
 
 import pytest
 import torch
 from _hermes import RESPONSE_TEMPLATE, make_tokenizer
 from conftest import max_err, rel_err
+from test_integration_trl import make_trainer as make_trl_trainer
 
 trl = pytest.importorskip("trl", reason="TRL is in the [test] extra: pip install -e '.[test]'")
 datasets = pytest.importorskip("datasets")
@@ -33,7 +32,6 @@ from grpo_fast.integrations.trl import GRPOTrainer  # noqa: E402
 from grpo_fast.tasks.arithmetic import build_model  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-CHECKPOINTING = {"activation_checkpointing": True} if hasattr(trl.GRPOConfig, "activation_checkpointing") else {}
 
 G = 4  # completions per prompt, and the batch (one prompt per step)
 MAX_COMPLETION = 160
@@ -92,33 +90,16 @@ def scripted_generation(trainer):
 
 
 def make_trainer(cls, setup, **options):
-    tokenizer, folder, dataset = setup
-    options = {"per_device_train_batch_size": G, "num_generations": G, **options}
-    args = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(dir=os.path.dirname(folder)),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        max_completion_length=MAX_COMPLETION,
-        max_tool_calling_iterations=2,
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1,
-        **CHECKPOINTING,
+    """test_integration_trl's trainer with the tool ``add``, its tokenizer's template and scripted turns."""
+    options = {
+        "per_device_train_batch_size": G,
+        "num_generations": G,
+        "max_completion_length": MAX_COMPLETION,
         **options,
+    }
+    trainer = make_trl_trainer(
+        cls, setup, reward_funcs=final_answer_reward, tools=[add], max_tool_calling_iterations=2, **options
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = cls(
-            model=folder,
-            reward_funcs=final_answer_reward,
-            args=args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            tools=[add],
-        )
-    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train() otherwise
-    trainer.model.train()  # as in train(): from_pretrained leaves it in eval mode, whose loss and metrics differ
     scripted_generation(trainer)
     return trainer
 

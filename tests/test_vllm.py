@@ -108,6 +108,26 @@ def test_a_rollout_longer_than_the_engine_context_is_refused(engine):
         engine.config = config
 
 
+def test_turns_continue_from_token_ids(engine):
+    """A multi-turn rollout on the engine (scripted turns, tests/test_tool_rollout.py): each
+    answered turn is followed by its suffix, out of the completion mask, and the engine's
+    log-probs of every turn's sampled tokens follow the policy over the whole sequence."""
+    from test_tool_rollout import ScriptedTurns
+
+    tokenizer = engine.tokenizer
+    stop, suffix = tokenizer.convert_tokens_to_ids("7"), tokenizer.encode("+=", add_special_tokens=False)
+    turns = ScriptedTurns(stop, suffix)
+    out = engine.generate(PROMPTS[:2], 4, [0, 1], turns=turns)
+    C = out.completion_mask.shape[1]
+    assert sum(turns.answered.values()) > 0 and C <= engine.config.max_new_tokens
+    sampled = out.completion_mask.bool()
+    real = out.attention_mask[:, -C:].bool()
+    assert bool((sampled <= real).all()) and bool((real & ~sampled).any())  # suffix tokens: context, not loss
+    policy = completion_logprobs(engine.model, out.input_ids, out.attention_mask, C)
+    assert ((policy - out.logprobs) * out.completion_mask).abs().max().item() < 1e-3
+    assert bool((out.logprobs[~sampled] == 0).all())
+
+
 @pytest.mark.slow
 def test_bf16_engine_log_probs_within_the_measured_bound():
     """A bf16 engine against the float32 policy at the demo's initial weights: measured max
@@ -237,26 +257,6 @@ def test_the_rollout_worker_runs_the_engine_with_the_weights_of_each_batch(tmp_p
     finally:
         trainer.close()
     assert staleness == [0, 1, 1]
-
-
-def test_turns_continue_from_token_ids(engine):
-    """A multi-turn rollout on the engine (scripted turns, tests/test_tool_rollout.py): each
-    answered turn is followed by its suffix, out of the completion mask, and the engine's
-    log-probs of every turn's sampled tokens follow the policy over the whole sequence."""
-    from test_tool_rollout import ScriptedTurns
-
-    tokenizer = engine.tokenizer
-    stop, suffix = tokenizer.convert_tokens_to_ids("7"), tokenizer.encode("+=", add_special_tokens=False)
-    turns = ScriptedTurns(stop, suffix)
-    out = engine.generate(PROMPTS[:2], 4, [0, 1], turns=turns)
-    C = out.completion_mask.shape[1]
-    assert sum(turns.answered.values()) > 0 and C <= engine.config.max_new_tokens
-    sampled = out.completion_mask.bool()
-    real = out.attention_mask[:, -C:].bool()
-    assert bool((sampled <= real).all()) and bool((real & ~sampled).any())  # suffix tokens: context, not loss
-    policy = completion_logprobs(engine.model, out.input_ids, out.attention_mask, C)
-    assert ((policy - out.logprobs) * out.completion_mask).abs().max().item() < 1e-3
-    assert bool((out.logprobs[~sampled] == 0).all())
 
 
 def test_the_tool_task_trains_on_the_engine(tmp_path, monkeypatch):
