@@ -176,3 +176,28 @@ def test_bad_tools_are_refused_before_the_model_loads(tmp_path, monkeypatch):
     demo = GRPOConfig.from_dict(dict(TOOL_RUN, task=None, steps=1, output_dir=str(tmp_path / "run")))
     with pytest.raises(ValueError, match="chat_template"):
         GRPOTrainer(demo)
+
+
+def test_rewards_see_trajectories_and_tool_counts(tmp_path, short_warm_start):
+    """A reward function gets each completion as its messages (TRL's shape) and the columns
+    tool_calls and tool_failures, the rows' counts that the log line's tools/* come from."""
+    from grpo_fast.trainer import GRPOTrainer
+    from grpo_fast.trainer.rollout import rollout
+
+    seen = {}
+
+    def probe(prompts, completions, tool_calls, tool_failures, **columns):
+        seen.update(completions=completions, tool_calls=tool_calls, tool_failures=tool_failures)
+        return [float(n) for n in tool_calls]
+
+    trainer = GRPOTrainer(GRPOConfig.from_dict(dict(TOOL_RUN, steps=1, output_dir=str(tmp_path / "run"))))
+    rows = trainer.rows[:2]
+    samples = rollout(trainer.source.engine, rows, [0, 1], [probe], group_size=4, turns=trainer.tool_loop)
+    assert all(isinstance(c, list) and c[-1]["role"] == "assistant" for c in seen["completions"])
+    calls = [sum(len(m.get("tool_calls", [])) for m in c if m["role"] == "assistant") for c in seen["completions"]]
+    tool_messages = [sum(m["role"] == "tool" for m in c) for c in seen["completions"]]
+    assert seen["tool_calls"] == tool_messages == samples.tool_counts[:, 0].long().tolist()
+    assert all(c >= t for c, t in zip(calls, tool_messages))  # a last turn's calls are not run
+    assert sum(seen["tool_calls"]) > 0
+    assert seen["tool_failures"] == samples.tool_counts[:, 1].long().tolist()
+    assert samples.rewards[:, 0].tolist() == [float(n) for n in seen["tool_calls"]]

@@ -214,18 +214,21 @@ def rollout(
         keys: [len(rows)] int, the rows' positions in the run's data order.
         reward_funcs: ``f(prompts, completions, **columns) -> list[float | None]``.
         keep_logprobs: keep the engine's log-probs (None for an engine that returns none).
-        turns: with tools, ``turns(N)`` makes the batch's tool loop (``tool_turns.tool_loop``);
-            the rewards then get each trajectory's messages, and the rows their tool counts.
+        turns: with tools, ``turns(N)`` makes the batch's tool loop (``tool_turns.ToolLoop``);
+            the rewards then get each trajectory's messages and, as columns, ``tool_calls`` and
+            ``tool_failures`` (counts), and the rows their tool counts.
     """
     prompts = [row["prompt"] for row in rows for _ in range(group_size)]
     columns = {key: [row[key] for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
     loop = None if turns is None else turns(len(prompts))
     out = generator.generate([row["prompt"] for row in rows], group_size, keys, **({"turns": loop} if loop else {}))
-    completions, counts = out.completions, None
+    completions, counts, scored = out.completions, None, columns
     if loop is not None:
         C = out.completion_mask.shape[1]
         ids = [row[real.bool()].tolist() for row, real in zip(out.input_ids[:, -C:], out.attention_mask[:, -C:])]
         completions, counts = loop.trajectories(ids), loop.counts()
+        calls, failures = counts[:, :2].long().T.tolist()
+        scored = {**columns, "tool_calls": calls, "tool_failures": failures}
     return Samples(
         prompts=prompts,
         completions=completions,
@@ -233,7 +236,7 @@ def rollout(
         input_ids=out.input_ids,
         attention_mask=out.attention_mask,
         completion_mask=out.completion_mask,
-        rewards=score(reward_funcs, prompts, completions, columns),
+        rewards=score(reward_funcs, prompts, completions, scored),
         sampling_logprobs=out.logprobs if keep_logprobs or generator.drifts else None,
         tool_counts=counts,
     )
