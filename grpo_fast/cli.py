@@ -40,6 +40,7 @@ EVAL_FLAGS = {
     "tools": ["--tools"],
     "max_tool_calling_iterations": ["--max-tool-calling-iterations"],
     "max_tool_response_tokens": ["--max-tool-response-tokens"],
+    "tool_timeout_s": ["--tool-timeout-s"],
     "generator": ["--generator"],
     "model_revision": ["--model-revision"],
     "dataset_config": ["--dataset-config"],

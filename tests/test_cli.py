@@ -175,6 +175,7 @@ def test_trl_names_are_taken_as_ours(tmp_path, capsys):
     path.write_text("num_generations: 4\nmax_steps: 7\nepsilon_high: 0.28\nscale_rewards: false\n")
     config = GRPOConfig.from_yaml(str(path), batch_size=8)
     assert (config.group_size, config.steps, config.eps_high, config.advantage_scale) == (4, 7, 0.28, "none")
+    assert GRPOConfig.from_yaml(str(path), batch_size=8, group_size=2).group_size == 2  # a flag overrides it
     both = GRPOConfig.from_dict({"max_completion_length": 64, "max_new_tokens": 16, "loss_type": "dr_grpo"})
     assert (both.max_new_tokens, both.loss_config().max_completion_length) == (16, 64)
     with pytest.raises(ValueError, match="'per_device_train_batch_size' is TRL's .* use batch_size"):

@@ -75,8 +75,8 @@ def test_final_model_and_card_are_written_before_the_push(pushed_run):
     # the demo model and data are no Hub names
     assert front == dict(library_name="transformers", pipeline_tag="text-generation", tags=["grpo", "grpo-fast"])
     assert "# grpo-fast-test" in body
-    assert "**Base model**: the built-in demo model" in body
-    assert "**Dataset**: the built-in demo" in body
+    assert "**Base model**: the built-in task 'arithmetic''s model" in body
+    assert "**Dataset**: The built-in demo: single-digit addition" in body
     assert "**Rewards**: `arithmetic_reward` (weight 1)" in body
     assert "**Steps trained**: 2 of 2" in body
     assert "group_size 4, batch_size 16, learning_rate 0.001, beta 0.005, loss_type grpo, max_new_tokens 3" in body

@@ -201,3 +201,36 @@ def test_rewards_see_trajectories_and_tool_counts(tmp_path, short_warm_start):
     assert sum(seen["tool_calls"]) > 0
     assert seen["tool_failures"] == samples.tool_counts[:, 1].long().tolist()
     assert samples.rewards[:, 0].tolist() == [float(n) for n in seen["tool_calls"]]
+
+
+def test_a_task_brings_its_own_defaults():
+    """TASK_SETTINGS: the tool task's max_new_tokens replaces the config's default, however the
+    config is made; a value given is kept."""
+    assert GRPOConfig(task="tool_arithmetic").max_new_tokens == 32
+    assert GRPOConfig.from_dict(dict(task="tool_arithmetic")).max_new_tokens == 32
+    assert GRPOConfig(task="tool_arithmetic", max_new_tokens=40).max_new_tokens == 40
+    assert GRPOConfig().max_new_tokens == 4
+
+
+def test_each_row_turns_within_its_own_budget(model_and_tokenizer):
+    """continue_turns (hf, vllm) gives every row its own room: a row whose suffix left it more
+    room than another's is not cut to the smaller one."""
+    from grpo_fast.trainer.generators import continue_turns
+
+    _, tokenizer = model_and_tokenizer
+    eos, T = tokenizer.eos_token_id, 12
+    asked = []
+
+    def sample(rows, sequences, rooms, stop_ids):  # each row writes 3 tokens then stops, or fills its room
+        asked.append(dict(zip(rows, rooms)))
+        return [([5] * min(3, room - 1) + [eos] if len(asked) == 1 else [6] * room, None) for room in rooms]
+
+    class Turns(ScriptedTurns):
+        def suffixes(self, rows, turns, room):  # row 0 gets a long suffix, row 1 a short one
+            return [[7] * 5 if row == 0 else [7] for row in rows]
+
+    prompt_ids = torch.tensor([[1, 2], [1, 2]])
+    out = continue_turns(sample, tokenizer, prompt_ids, torch.ones_like(prompt_ids), Turns(eos, []), T)
+    assert asked[1] == {0: 12 - 4 - 5, 1: 12 - 4 - 1}
+    lengths = out.attention_mask[:, 2:].sum(1).tolist()
+    assert lengths == [T, T] and out.completion_mask.sum(1).tolist() == [4 + 3, 4 + 7]

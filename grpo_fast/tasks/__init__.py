@@ -17,8 +17,9 @@ TASKS = {
     "arithmetic": "grpo_fast.tasks.arithmetic:arithmetic_reward",
     "tool_arithmetic": "grpo_fast.tasks.tool_arithmetic:tool_arithmetic_reward",
 }
-# A task's own defaults, between the config's and the settings given (GRPOConfig.from_dict): the
-# tool task's trajectory (a call, the calculator's answer, the final answer) needs about 22 tokens.
+# A task's own defaults, which replace the config's where a field holds its default
+# (GRPOConfig.__post_init__): the tool task's trajectory (a call, the calculator's answer, the
+# final answer) needs about 22 tokens.
 TASK_SETTINGS = {"tool_arithmetic": {"max_new_tokens": 32}}
 DATASET_REWARDS = ("math_reward",)
 

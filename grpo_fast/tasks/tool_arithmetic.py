@@ -77,6 +77,7 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from grpo_fast.rewards.base import completion_texts
 from grpo_fast.tasks import arithmetic
 
 # The reward names the task is scored with by default (grpo_fast.tasks.get_reward_function).
@@ -225,13 +226,9 @@ def held_out_rows() -> list[dict]:
 
 
 def final_answer(completion) -> str:
-    """The text a completion answers with: a str as it is; a trajectory (a list of messages) its
-    last assistant message's content ("" without one); without a trailing ``<|im_end|>``."""
-    if isinstance(completion, str):
-        text = completion
-    else:
-        text = next((m.get("content") or "" for m in reversed(completion) if m.get("role") == "assistant"), "")
-    text = text.strip()
+    """The text a completion answers with (``completion_texts``: a str as it is, a trajectory
+    its last assistant message), without a trailing ``<|im_end|>``."""
+    text = completion_texts([completion])[0].strip()
     while text.endswith(IM_END):
         text = text[: -len(IM_END)].rstrip()
     return text

@@ -175,7 +175,13 @@ class GRPOConfig(LossConfig):
     eval_pass_threshold: float = option(1.0, "a sample passes when its combined reward is at least this")
 
     def __post_init__(self):
-        """Fields may be edited one by one: validation waits for ``validate()``."""
+        """Fields may be edited one by one: validation waits for ``validate()``. A built-in
+        task's own defaults (``TASK_SETTINGS``) replace the config's where a field holds its
+        default (the tool task's trajectory needs max_new_tokens 32, not the demo's 4)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, value in TASK_SETTINGS.get(self.task, {}).items():
+            if getattr(self, name) == defaults[name]:
+                setattr(self, name, value)
 
     @property
     def prompts_per_step(self) -> int:
@@ -222,7 +228,6 @@ class GRPOConfig(LossConfig):
         """Builds and validates a config; TRL's names of our settings are taken as ours
         (:data:`TRL_ALIASES`), and unknown keys are a ValueError that names them."""
         values = from_trl_names(values)
-        values = {**TASK_SETTINGS.get(values.get("task"), {}), **values}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -242,6 +247,7 @@ class GRPOConfig(LossConfig):
             values = yaml.safe_load(f) or {}
         if not isinstance(values, dict):
             raise ValueError(f"config file {path!r} must hold a mapping of keys to values, got {type(values).__name__}")
+        values = from_trl_names(values)  # before the flags (ours) override what it names
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls.from_dict(values)
 

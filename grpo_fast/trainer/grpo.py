@@ -134,8 +134,10 @@ class GRPOTrainer:
         self.evaluator = None
         if config.eval_every or config.eval_dataset is not None:
             eval_rows = evaluation.load_eval_rows(config, tokenizer, self.tool_schemas)
+            # its own tool loop: the evals' tool seconds are not the training step's
+            eval_loop = ToolLoop(self.tool_loop.template, config) if self.tool_loop else None
             self.evaluator = evaluation.Evaluator(
-                self.policy, tokenizer, config, eval_rows, self.reward_funcs, self.reward_names, runtime, self.tool_loop
+                self.policy, tokenizer, config, eval_rows, self.reward_funcs, self.reward_names, runtime, eval_loop
             )
         self.optimizer = adamw([p for p in self.policy.parameters() if p.requires_grad], config)
         self.optimizer.zero_grad(set_to_none=True)  # a model handed over with gradients (a warm start's)

@@ -148,8 +148,9 @@ def model_card(config, history: list, *, reward_names=None, model_given: bool = 
     import yaml
 
     import grpo_fast
+    from grpo_fast.tasks import task_module
 
-    model, dataset = config.model, config.dataset
+    model, dataset, task = config.model, config.dataset, config.task or "arithmetic"
     meta = {}
     if _is_hub_name(model) and not model_given:
         meta["base_model"] = model
@@ -163,8 +164,8 @@ def model_card(config, history: list, *, reward_names=None, model_given: bool = 
     if model_given:
         base = "a model passed to `GRPOTrainer`" + (f" (`{model}`)" if model else "")
     elif model is None:
-        base = "the built-in demo model (a 2-layer Llama-style model of about 0.1M parameters, initialised "
-        base += f"with seed {config.seed})"
+        base = f"the built-in task {task!r}'s model (a 2-layer Llama-style model, initialised with seed {config.seed}"
+        base += ", then its documented warm start)" if task == "tool_arithmetic" else ")"
     elif _is_hub_name(model):
         revision = f" (revision `{config.model_revision}`)" if config.model_revision else ""
         base = f"[{model}](https://huggingface.co/{model}){revision}"
@@ -173,8 +174,8 @@ def model_card(config, history: list, *, reward_names=None, model_given: bool = 
     if rows_given:
         data = "prompt rows passed to `GRPOTrainer`"
     elif dataset is None:
-        kept = " (without the held-out sums, which the eval reads)" if config.eval_every else ""
-        data = f"the built-in demo: single-digit additions `a+b=`{kept}"
+        kept = " (without its held-out rows, which the eval reads)" if config.eval_every else ""
+        data = f"{task_module(config.task).__doc__.splitlines()[0].rstrip('.')}{kept}"
     else:
         name = (
             f"[{dataset}](https://huggingface.co/datasets/{dataset})"
@@ -205,6 +206,7 @@ def model_card(config, history: list, *, reward_names=None, model_given: bool = 
         f"- **Base model**: {base}",
         f"- **Dataset**: {data}",
         f"- **Rewards**: {rewards}",
+        *([f"- **Tools**: {', '.join(f'`{t}`' for t in config.tools)}"] if config.tools else []),
         f"- **Steps trained**: {steps} of {config.steps}",
         f"- **Settings**: {settings}",
         "",
@@ -218,7 +220,7 @@ def model_card(config, history: list, *, reward_names=None, model_given: bool = 
             eval_data = (
                 f"`{config.eval_dataset}` (split `{config.eval_split}`)"
                 if config.eval_dataset
-                else "the demo's held-out sums"
+                else f"the {task} task's held-out rows"
             )
             temperature = config.eval_temperature or config.temperature
             lines += [

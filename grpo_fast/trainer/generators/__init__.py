@@ -192,9 +192,9 @@ def continue_turns(sample, tokenizer, prompt_ids, prompt_mask, turns: Turns, max
     :func:`assemble_turns`.
 
     Args:
-        sample: ``(rows [n], sequences [n] id lists, room, stop_ids) -> [n] (turn ids, their
+        sample: ``(rows [n], sequences [n] id lists, rooms [n], stop_ids) -> [n] (turn ids, their
             log-probs or None)``: the next turn of each output row in ``rows``, from its whole
-            sequence, at most ``room`` tokens, ending at a stop id or not.
+            sequence, at most its room of tokens, ending at a stop id or not.
         prompt_ids, prompt_mask: [N, P] the left-padded prompts (each row its own).
     """
     T, stop_ids, N = max_new_tokens, [tokenizer.eos_token_id, *turns.stop_token_ids], prompt_ids.shape[0]
@@ -202,9 +202,9 @@ def continue_turns(sample, tokenizer, prompt_ids, prompt_mask, turns: Turns, max
     tokens, sampled, logprobs = ([[] for _ in range(N)] for _ in range(3))  # per row, sampled and tools'
     going, engine_logprobs = list(range(N)), False
     while going:
-        room = min(T - len(tokens[r]) for r in going)
+        rooms = [T - len(tokens[r]) for r in going]
         ended = []
-        for r, (turn, logp) in zip(going, sample(going, [prompts[r] + tokens[r] for r in going], room, stop_ids)):
+        for r, (turn, logp) in zip(going, sample(going, [prompts[r] + tokens[r] for r in going], rooms, stop_ids)):
             engine_logprobs |= logp is not None
             tokens[r] += turn
             sampled[r] += [True] * len(turn)

@@ -57,11 +57,12 @@ class HFGenerator(Generator):
         """Each turn one ``generate`` call over the rows still going, from their whole sequences."""
         tokenizer, device = self.tokenizer, ids.device
 
-        def sample(rows: list, sequences: list, room: int, stop_ids: list) -> list:
+        def sample(rows: list, sequences: list, rooms: list, stop_ids: list) -> list:
             with left_padded(tokenizer):
                 enc = tokenizer.pad({"input_ids": sequences}, return_tensors="pt")
-            out = self._sample(enc["input_ids"].to(device), enc["attention_mask"].to(device), room, stop_ids)
-            return [(_until_stop(new, stop_ids), None) for new in out[:, enc["input_ids"].shape[1] :].tolist()]
+            out = self._sample(enc["input_ids"].to(device), enc["attention_mask"].to(device), max(rooms), stop_ids)
+            new = out[:, enc["input_ids"].shape[1] :].tolist()
+            return [(_until_stop(tokens[:room], stop_ids), None) for tokens, room in zip(new, rooms)]
 
         return continue_turns(sample, tokenizer, ids, mask, turns, self.config.max_new_tokens)
 

@@ -131,6 +131,10 @@ class Sampler(Generator):
             raise ValueError(f"keys must give one key per prompt ({len(prompts)}), got {len(keys)}")
         if self.tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
+        if turns is not None and self.static_cache:
+            raise ValueError(
+                "a multi-turn rollout (tools) needs the dynamic cache: its turns take more slots than P + T"
+            )
         G, T = group_size, config.max_new_tokens
         multiple = STATIC_PROMPT_MULTIPLE if self.config.compile_generation else None
         prompt_ids, prompt_mask = (

@@ -64,8 +64,9 @@ def sample_streams(seed: int, keys: torch.Tensor, samples: torch.Tensor) -> torc
     return h
 
 
-def stream_uniforms(streams: torch.Tensor, position: int) -> torch.Tensor:
-    """The uniforms in (0, 1) of the streams [n] at a token position: [n] float64."""
+def stream_uniforms(streams: torch.Tensor, position) -> torch.Tensor:
+    """The uniforms in (0, 1) of the streams [n] at a token position (an int, or [n] int64: each
+    row's own): [n] float64."""
     return (fmix32(streams ^ (position & _MASK32)).double() + 0.5) / 2.0**32
 
 

@@ -308,7 +308,7 @@ class VLLMGenerator(Generator):
         config, G = self.config, group_size
         ids, mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
 
-        def sample(rows: list, sequences: list, room: int, stop_ids: list) -> list:
+        def sample(rows: list, sequences: list, rooms: list, stop_ids: list) -> list:
             params = [
                 SamplingParams(
                     temperature=config.temperature,
@@ -320,7 +320,7 @@ class VLLMGenerator(Generator):
                     seed=(config.seed * _SEED_STRIDE + keys[r // G] * G + r % G + len(seq) * _SEED_STRIDE**2) % 2**63,
                     detokenize=False,
                 )
-                for r, seq in zip(rows, sequences)
+                for r, seq, room in zip(rows, sequences, rooms)
             ]
             if config.vllm_sleep_level:
                 self.llm.wake_up(tags=["kv_cache"])
