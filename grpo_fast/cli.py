@@ -21,6 +21,7 @@ import sys
 import types
 import typing
 
+from grpo_fast.spec import option_default
 from grpo_fast.trainer.config import TOPICS, TRL_ALIASES, TRL_INSTEAD, GRPOConfig
 
 BENCHMARKS = {
@@ -88,12 +89,17 @@ def _number_or_str(text: str):
         return text
 
 
-def _add_field(group, field: dataclasses.Field, aliases: list) -> None:
-    """A config field's flag: --name-with-dashes and its aliases, typed from the annotation."""
-    names = [f"--{field.name.replace('_', '-')}"] + aliases
+def flag_names(name: str) -> list:
+    """The flags of config field ``name``: --name-with-dashes, its short names, TRL's names of it."""
+    trl = [f"--{alias.replace('_', '-')}" for alias, ours in TRL_ALIASES.items() if ours == name]
+    return [f"--{name.replace('_', '-')}", *_ALIASES.get(name, []), *trl]
+
+
+def _add_field(group, field: dataclasses.Field) -> None:
+    """A config field's flag (all its :func:`flag_names`), typed from the annotation."""
+    names = flag_names(field.name)
     kind, nargs = _flag_type(field)
-    default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-    common = dict(dest=field.name, default=None, help=f"{field.metadata['help']} (default: {default})")
+    common = dict(dest=field.name, default=None, help=f"{field.metadata['help']} (default: {option_default(field)})")
     if kind is bool:
         group.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
     elif nargs:
@@ -129,13 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="YAML file of config keys; flags given here override it")
     train.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
     fields = {field.name: field for field in dataclasses.fields(GRPOConfig)}
-    trl_names = {}
-    for trl, ours in TRL_ALIASES.items():
-        trl_names.setdefault(ours, []).append(f"--{trl.replace('_', '-')}")
     for topic, names in TOPICS.items():
         group = train.add_argument_group(topic)
         for name in names:
-            _add_field(group, fields[name], _ALIASES.get(name, []) + trl_names.get(name, []))
+            _add_field(group, fields[name])
     for trl, instead in TRL_INSTEAD.items():
         train.add_argument(
             f"--{trl.replace('_', '-')}", nargs="?", action=_TRLOnly, instead=instead, help=argparse.SUPPRESS

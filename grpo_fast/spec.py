@@ -50,6 +50,11 @@ def option(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
+def option_default(f: dataclasses.Field):
+    """The default of a config field (a fresh list for a list's), as ``option`` made it."""
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 # ----------------------------------------------------------------------------- aggregations
 
 

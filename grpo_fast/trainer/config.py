@@ -9,7 +9,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option
+from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option, option_default
 from grpo_fast.tasks import TASK_SETTINGS, TASKS
 from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
 from grpo_fast.tools import TOOLS
@@ -178,7 +178,7 @@ class GRPOConfig(LossConfig):
         """Fields may be edited one by one: validation waits for ``validate()``. A built-in
         task's own defaults (``TASK_SETTINGS``) replace the config's where a field holds its
         default (the tool task's trajectory needs max_new_tokens 32, not the demo's 4)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        defaults = {f.name: option_default(f) for f in dataclasses.fields(self)}
         for name, value in TASK_SETTINGS.get(self.task, {}).items():
             if getattr(self, name) == defaults[name]:
                 setattr(self, name, value)

@@ -12,6 +12,8 @@ import dataclasses
 import os
 import shlex
 
+from grpo_fast.spec import option_default
+
 CARD = "README.md"  # the model card's file name, which the Hub reads
 
 
@@ -127,7 +129,7 @@ def command_line(config) -> str:
     """``grpo-fast train`` with a flag for every setting of ``config`` that is not the default."""
     args = ["grpo-fast", "train"]
     for field in dataclasses.fields(config):
-        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        default = option_default(field)
         value = getattr(config, field.name)
         if value == default and type(value) is type(default):
             continue
