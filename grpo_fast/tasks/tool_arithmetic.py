@@ -60,12 +60,13 @@ answer. Both arms take the same steps over the same problems (the no-tool model 
 answers too); only the assistant's tokens are trained (the prompt and the tool's tokens are
 masked), and never on a held-out problem. After it the tools model calls the calculator, copies
 the expression and the result about half the time: held-out pass@1 sampled at temperature 1 (as
-the RL samples) is 0.52, 0.50 and 0.61 for seeds 0-2 (``pass_at_1``, a manual two-turn loop:
-the model's ``generate``, the calculator run here), and 0 without tools; the RL does the rest
-(benchmarks/bench_tools.py, docs/tools.md). Measured while choosing it: at lr 1e-2 the copy
-emerged abruptly at a seed-dependent step (300 steps gave 0.22, 0.93 and 0.00), and a seed that
-starts at 0 gives the RL no exact answer to reinforce; at lr 3e-3 it emerges evenly (150 steps:
-0.16, 0.05, 0.11; 200: the numbers above; 300: 0.78, 0.91, 0.94). ``build_model`` initialises
+the RL samples) is 0.59, 0.47 and 0.56 for seeds 0-2 (``pass_at_1``: the trainer's rollout, our
+sampler and the tool loop), and 0 without tools; the RL does the rest (benchmarks/bench_tools.py,
+docs/tools.md). Measured while choosing it, with an earlier two-turn loop of the model's
+``generate`` (200 steps at lr 3e-3 gave 0.52, 0.50, 0.61 there): at lr 1e-2 the copy emerged
+abruptly at a seed-dependent step (300 steps gave 0.22, 0.93 and 0.00), and a seed that starts
+at 0 gives the RL no exact answer to reinforce; at lr 3e-3 it emerges evenly (150 steps: 0.16,
+0.05, 0.11; 300: 0.78, 0.91, 0.94). ``build_model`` initialises
 with ``initializer_range=0.1`` (not 0.02): with the default the copy had not emerged after
 100-200 steps.
 """
@@ -253,7 +254,7 @@ def tool_arithmetic_reward(prompts: list, completions: list, answer: list, **col
 
 
 # ---------------------------------------------------------------------------------------------
-# The warm start and a small two-turn evaluation loop
+# The warm start and its measure
 # ---------------------------------------------------------------------------------------------
 
 
@@ -344,69 +345,25 @@ def warm_start(
     return {"seconds": time.perf_counter() - start, "loss": loss_value}
 
 
-@torch.no_grad()
-def _generate(model, tokenizer, sequences: list, max_new_tokens: int, do_sample: bool) -> list:
-    """Continue each id list until EOS (or the limit); returns the new ids, EOS included."""
-    width = max(len(s) for s in sequences)
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(s)) + s for s in sequences])
-    attention = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences])
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=attention,
-        max_new_tokens=max_new_tokens,
-        do_sample=do_sample,
-        temperature=1.0 if do_sample else None,
-        top_p=None,
-        top_k=None,
-        pad_token_id=pad,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    turns = []
-    for row in out[:, width:].tolist():
-        if tokenizer.eos_token_id in row:
-            row = row[: row.index(tokenizer.eos_token_id) + 1]
-        turns.append(row)
-    return turns
-
-
 def solve(model, tokenizer, rows: list, *, tools: bool, do_sample: bool = False, seed: int = 0) -> list:
-    """The trajectories of ``model`` on ``rows`` (a manual two-turn loop): turn 1 is sampled (or
-    greedy); with ``tools``, a turn that calls the calculator gets the tool's result appended (the
-    template's suffix) and one more turn is sampled. Returns each row's messages, TRL's shape."""
-    from grpo_fast.tools import parse_tool_calls, run_tool_calls
+    """One trajectory of ``model`` per row of ``rows``, through the trainer's own rollout (our
+    sampler and, with ``tools``, the tool loop with the calculator), greedy (top-k 1) or sampled
+    at temperature 1 (``do_sample``, seeded by ``seed``). Returns the completions as the rewards
+    get them: each row's messages (TRL's shape) with tools, else its text."""
+    from grpo_fast.tasks.datasets import format_prompts
+    from grpo_fast.trainer.config import GRPOConfig
+    from grpo_fast.trainer.generators import make_generator
+    from grpo_fast.trainer.rollout import rollout
+    from grpo_fast.trainer.tool_turns import ToolLoop
 
+    config = GRPOConfig(
+        task="tool_arithmetic", tools=list(TOOLS) if tools else None, seed=seed, top_k=0 if do_sample else 1
+    )
     template = _tool_template(tokenizer) if tools else None
-    tool_map = {t.name: t for t in template.tools} if template else {}
-    prompts = [_prompt_ids(tokenizer, row["prompt"], template) for row in rows]
-    was_training = model.training
-    model.eval()
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        turns = _generate(model, tokenizer, prompts, 24, do_sample)
-        trajectories = []
-        parsed = [parse_tool_calls(tokenizer.decode(t, skip_special_tokens=False), tokenizer) for t in turns]
-        continued, index = [], []
-        for i, (content, calls) in enumerate(parsed):
-            message = {"role": "assistant", "content": content}
-            if tools and calls:
-                message["tool_calls"] = [
-                    {"type": "function", "function": {"name": c.name, "arguments": c.arguments or {}}} for c in calls
-                ]
-                results = run_tool_calls(calls, tool_map)
-                trajectories.append(
-                    [message] + [{"role": "tool", "name": r.name, "content": r.content} for r in results]
-                )
-                continued.append(prompts[i] + turns[i] + template.tool_suffix_ids(results, completion_ids=turns[i]))
-                index.append(i)
-            else:
-                trajectories.append([message])
-        if continued:
-            for i, turn in zip(index, _generate(model, tokenizer, continued, 12, do_sample)):
-                content, calls = parse_tool_calls(tokenizer.decode(turn, skip_special_tokens=False), tokenizer)
-                trajectories[i].append({"role": "assistant", "content": content})
-    model.train(was_training)
-    return trajectories
+    rows = format_prompts(rows, tokenizer, tools=template.schemas if tools else None)
+    engine = make_generator("sampler", model, tokenizer, config)
+    loop = ToolLoop(template, config) if tools else None
+    return rollout(engine, rows, list(range(len(rows))), [], group_size=1, turns=loop).completions
 
 
 def pass_at_1(model, tokenizer, rows: list | None = None, *, tools: bool, do_sample: bool = False, seed: int = 0):
