@@ -82,12 +82,17 @@ def batch_args(case: dict) -> tuple:
     return case["ids"], case["advantages"], case["mask"], case["old_logprobs"], case["ref_logprobs"]
 
 
-BACKENDS = ["torch", "triton"]  # triton: the kernels under TRITON_INTERPRET=1 on CPU
+# torch: the CPU path's eager chunks; compiled: the same path as the kernels inductor builds
+# from its row math (GRPO_FAST_CPU_COMPILE=1, whatever the size); triton: the kernels under
+# TRITON_INTERPRET=1 on CPU.
+BACKENDS = ["torch", "compiled", "triton"]
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
-    monkeypatch.setenv("GRPO_FAST_BACKEND", request.param)
+    compiled = request.param == "compiled"
+    monkeypatch.setenv("GRPO_FAST_BACKEND", "torch" if compiled else request.param)
+    monkeypatch.setenv("GRPO_FAST_CPU_COMPILE", "1" if compiled else "0")
     return request.param
 
 

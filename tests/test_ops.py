@@ -51,7 +51,8 @@ def one_loss_type_per_kernel_kind() -> list:
 @pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
 @pytest.mark.parametrize(
     "backend, loss_type",
-    [("torch", t) for t in LOSS_TYPES] + [("triton", t) for t in one_loss_type_per_kernel_kind()],
+    [("torch", t) for t in LOSS_TYPES]
+    + [(b, t) for b in ("compiled", "triton") for t in one_loss_type_per_kernel_kind()],
     indirect=["backend"],
 )
 def test_grpo_loss_matrix(backend, loss_type, importance_sampling, regime, kl):
@@ -269,6 +270,7 @@ def test_dapo_microbatch_split_gives_same_gradient(backend, loss_type):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)  # compiled: the test below
 def test_no_float32_vocab_sized_temporaries(backend, monkeypatch):
     """The fused path never materialises a float32 [B, T, V] tensor (the reference does)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -303,6 +305,36 @@ def test_no_float32_vocab_sized_temporaries(backend, monkeypatch):
     with LargestFloat32() as ref_mode:
         reference.grpo_loss(logits, case["ids"], case["advantages"], case["mask"]).loss.backward()
     assert ref_mode.largest >= B * T * V  # the check can fail: the reference trips it
+
+
+def test_compiled_cpu_path_holds_no_float32_copy(monkeypatch):
+    """The kernels inductor builds for the CPU path hold nothing [B, T, V] in float32: a loss
+    forward and backward on bf16 logits raises the process's peak RSS by about the bf16
+    gradient, where the eager two-liner needs float32 copies (measured by the kernel's
+    high-water mark, so compiled code is seen as it runs; a dispatch mode would not see it)."""
+    from grpo_fast.bench.measure import peak_rss_growth
+
+    monkeypatch.setenv("GRPO_FAST_BACKEND", "torch")
+    monkeypatch.setenv("GRPO_FAST_CPU_COMPILE", "1")
+    B, T, V = 4, 512, 16384
+    float32_copy = B * T * V * 4
+    case = make_case(B=B, T=T, V=V, dtype=torch.bfloat16, regime="clipped", seed=3)
+
+    def fused_step(case):
+        logits = case["logits"].detach().requires_grad_()
+        out = grpo_fast.grpo_loss(logits, *batch_args(case), beta=0.04, return_entropy=True)
+        torch.autograd.grad(out.loss, logits)
+
+    def plain_step(logits):
+        logits.requires_grad_()
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, case["ids"].unsqueeze(-1)).squeeze(-1)
+        torch.autograd.grad((logp * case["advantages"].unsqueeze(1)).sum(), logits)
+
+    fused_step(make_case(B=2, T=8, V=V, dtype=torch.bfloat16))  # compiles on a small block first
+    fused = peak_rss_growth(lambda: fused_step(case), reset=True)
+    plain = peak_rss_growth(lambda: plain_step(case["logits"].detach()), reset=True)
+    assert fused < float32_copy * 3 // 4, (fused, float32_copy)  # the bf16 gradient is half a copy
+    assert plain >= float32_copy, (plain, float32_copy)  # the check can fail: the two-liner trips it
 
 
 # ----------------------------------------------------------------------------- bad input

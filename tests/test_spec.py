@@ -117,9 +117,8 @@ def by_hand(logp, old, adv, mask, ref, beta):
     return (per_token * mask).sum() / mask.sum()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_toy_loss_type_reaches_the_reference_and_every_backend(toy_loss_type, backend, monkeypatch):
-    monkeypatch.setenv("GRPO_FAST_BACKEND", backend)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_toy_loss_type_reaches_the_reference_and_every_backend(toy_loss_type, backend):
     case = make_case(regime="clipped", seed=5)
     logits64 = case["logits"].double().requires_grad_()
     ref_out = reference.grpo_loss(

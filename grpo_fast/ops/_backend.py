@@ -2,6 +2,11 @@
 
 ``GRPO_FAST_BACKEND=triton|torch|reference`` forces one (tests and benchmarks use it);
 it is read at every call, so a test can switch it with ``monkeypatch.setenv``.
+
+On CPU the torch path's vocabulary sweep (``ops/token_logprobs.py``) runs as kernels that
+inductor generates from our own row math when the logits are large enough to repay a
+compile (``COMPILE_MIN_ELEMENTS``), else as eager chunks. ``GRPO_FAST_CPU_COMPILE=1`` compiles
+whatever the size, ``0`` never.
 """
 
 import os
@@ -9,6 +14,11 @@ import os
 import torch
 
 BACKENDS = ("triton", "torch", "reference")
+
+# A compile costs 2-5 s once per process and dtype (benchmarks/NOTES.md, "The CPU loss against
+# torch.compile"): below 4M logits (16 MB in float32, a few milliseconds of eager work) a call
+# is too small for the saving to repay it within a short run, such as the demo's vocabulary of 15.
+COMPILE_MIN_ELEMENTS = 1 << 22
 
 
 def select_backend(tensor: torch.Tensor) -> str:
@@ -20,6 +30,16 @@ def select_backend(tensor: torch.Tensor) -> str:
     if forced == "triton" and not triton_available():
         raise RuntimeError("GRPO_FAST_BACKEND=triton but triton is not installed: pip install triton")
     return forced
+
+
+def cpu_compile(tensor: torch.Tensor) -> bool:
+    """Whether the torch path runs its vocabulary sweep over ``tensor`` as inductor kernels."""
+    forced = os.environ.get("GRPO_FAST_CPU_COMPILE", "").strip().lower()
+    if forced not in ("", "auto", "0", "1"):
+        raise ValueError(f"GRPO_FAST_CPU_COMPILE must be 0, 1 or 'auto', got {forced!r}")
+    if tensor.device.type != "cpu" or forced == "0":
+        return False
+    return forced == "1" or tensor.numel() >= COMPILE_MIN_ELEMENTS
 
 
 def triton_available() -> bool:

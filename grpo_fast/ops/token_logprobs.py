@@ -1,8 +1,9 @@
 """token_logprobs: log_softmax(logits / temperature) gathered at ids, without [B, T, V] temporaries.
 
-Order: the chunked torch path (forward, backward), the autograd.Function, the public function.
-The Triton path (CUDA) lives in ``grpo_fast/kernels/token_logprobs.py`` with the same two
-entry points, ``logprobs_fwd`` and ``logprobs_bwd``.
+Order: the CPU row math that inductor compiles, the torch path (forward, backward: compiled
+over all rows at once, or eager chunks), the autograd.Function, the public function. The
+Triton path (CUDA) lives in ``grpo_fast/kernels/token_logprobs.py`` with the same two entry
+points, ``logprobs_fwd`` and ``logprobs_bwd``.
 
 Backward, for g = dL/dlogp [B, T] and p = softmax(logits / tau):
 
@@ -11,10 +12,13 @@ Backward, for g = dL/dlogp [B, T] and p = softmax(logits / tau):
 so the forward saves only the per-token log-sum-exp [B, T] and recomputes p chunk by chunk.
 """
 
+import functools
+import warnings
+
 import torch
 
 from grpo_fast import reference
-from grpo_fast.ops._backend import select_backend
+from grpo_fast.ops._backend import cpu_compile, select_backend
 from grpo_fast.ops._validate import check_ids, check_temperature, check_tensor
 from grpo_fast.spec import accumulate_dtype
 
@@ -70,29 +74,104 @@ def _upcast(chunk: torch.Tensor, temperature: float, buffer: torch.Tensor) -> to
     return x if temperature == 1.0 else x.mul_(1.0 / temperature)
 
 
+def _rows_fwd(x: torch.Tensor, ids: torch.Tensor, inv_t: torch.Tensor, return_entropy: bool):
+    """x [n, V] (rows contiguous), ids [n, 1], inv_t 0-dim (1 / temperature) -> logp, lse of
+    x * inv_t and the entropy (None without ``return_entropy``), each [n, 1] in the
+    accumulation dtype.
+
+    Written for inductor: it makes one loop over rows whose max, sum of exp and sum of
+    p * z are reductions over the row while it is in cache, and stores nothing [n, V]. The
+    eager ops would be a parallel region each over the whole block (benchmarks/NOTES.md)."""
+    z = x.to(accumulate_dtype(x)) * inv_t
+    m = z.amax(-1, keepdim=True)
+    e = (z - m).exp()
+    s = e.sum(-1, keepdim=True)
+    lse = s.log() + m
+    entropy = lse - (e * z).sum(-1, keepdim=True) / s if return_entropy else None
+    return z.gather(-1, ids) - lse, lse, entropy
+
+
+def _rows_bwd(x, ids, lse, coef, inv_t, out):
+    """Writes coef * (onehot(ids) - exp(x * inv_t - lse)) into ``out`` [n, V] (into x itself
+    when None), in its dtype: one pass, no float32 [n, V] copy. ids, lse, coef [n, 1]."""
+    z = x.to(accumulate_dtype(x)) * inv_t
+    hit = torch.arange(x.shape[-1], device=x.device) == ids
+    (x if out is None else out).copy_(coef * (hit.to(z.dtype) - (z - lse).exp()))
+
+
+@functools.cache
+def _compiled(fn):
+    """``fn`` compiled once per process for any number of rows (recompiled per dtype)."""
+    return torch.compile(fn, dynamic=True)
+
+
+def _run_compiled(fn, *args):
+    """``fn`` compiled, on ``args`` as the caller detached them: each variant (dtype, entropy,
+    in place) is its own compile, and a hit of dynamo's default limit of 8 would silently run
+    ``fn`` eagerly over every row at once, float32 copies and all; so the limit is raised for
+    this call and a hit of it raises instead."""
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        return _compiled(fn)(*args)
+
+
+@functools.cache
+def _inductor_builds() -> bool:
+    """Whether inductor builds CPU kernels here (it needs a C++ compiler), tried once on a tiny
+    block; when it cannot, a warning says why and the eager chunks run instead."""
+    x, ids, one = torch.zeros(2, 8), torch.zeros(2, 1, dtype=torch.long), torch.tensor(1.0)
+    try:
+        _, lse, _ = _run_compiled(_rows_fwd, x, ids, one, False)
+        _run_compiled(_rows_bwd, x, ids, lse, torch.ones_like(lse), one, torch.empty_like(x))
+    except Exception as exc:  # noqa: BLE001 - any failure to build means: use the eager path
+        warnings.warn(f"grpo_fast: torch.compile cannot build CPU kernels here ({exc!r}); using the eager path")
+        return False
+    return True
+
+
+def _use_compiled(logits: torch.Tensor) -> bool:
+    # Inside a caller's own torch.compile the eager chunks are what its compile should trace.
+    return cpu_compile(logits) and not torch.compiler.is_compiling() and _inductor_builds()
+
+
 def logprobs_fwd_torch(logits: torch.Tensor, ids: torch.Tensor, temperature: float, return_entropy: bool):
-    """Chunked forward. logits [B, T, V] (any strides), ids [B, T] ->
+    """The CPU forward. logits [B, T, V] (any strides), ids [B, T] ->
     logp [B, T], lse [B, T] (of logits / temperature), entropy [B, T] or None; float32.
 
-    Each chunk is two passes over [n, V] (five with entropy), each one parallel region: on a
-    machine whose cores are shared every region ends in a barrier that waits for the slowest
-    thread, so the number of regions sets the time there (benchmarks/NOTES.md).
+    Compiled (``_rows_fwd``), all rows in one call, or sequence by sequence for logits that do
+    not flatten. Eager, chunk by chunk: two passes over [n, V] (five with entropy), each one
+    parallel region: on a machine whose cores are shared every region ends in a barrier that
+    waits for the slowest thread, so the number of regions sets the time there
+    (benchmarks/NOTES.md).
     """
     B, T, V = logits.shape
     acc = accumulate_dtype(logits)
-    logp = torch.empty(B * T, dtype=acc, device=logits.device)
+    logp = torch.empty(B * T, 1, dtype=acc, device=logits.device)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if return_entropy else None
     flat_ids = ids.reshape(-1, 1).long()
-    x_buffer, logsm_buffer = _scratch(logits, acc, 2)
-    for (chunk,), rows in _row_chunks([logits], _rows_per_chunk(V)):
-        x = _upcast(chunk, temperature, x_buffer)  # [n, V], x = logits / tau
-        logsm = torch.log_softmax(x, dim=-1, out=logsm_buffer[: x.shape[0]])  # one fused pass
-        tok = flat_ids[rows]
-        logp[rows] = logsm.gather(1, tok).squeeze(1)
-        lse[rows] = x.gather(1, tok).squeeze(1) - logp[rows]
-        if return_entropy:  # H = lse - sum_v p_v x_v, p = exp(log_softmax(x))
-            entropy[rows] = lse[rows] - logsm.exp_().mul_(x).sum(-1)
+    if _use_compiled(logits):
+        rows, inv_t = B * T, torch.tensor(1.0 / temperature, dtype=acc)
+
+        def block(chunk, tok):  # detached: no guards on requires_grad or on the view's base
+            return _run_compiled(_rows_fwd, chunk.detach(), tok, inv_t, return_entropy)
+
+    else:
+        rows = _rows_per_chunk(V)
+        x_buffer, logsm_buffer = _scratch(logits, acc, 2)
+
+        def block(chunk, tok):
+            x = _upcast(chunk, temperature, x_buffer)  # [n, V], x = logits / tau
+            logsm = torch.log_softmax(x, dim=-1, out=logsm_buffer[: x.shape[0]])  # one fused pass
+            picked = logsm.gather(1, tok)
+            lse = x.gather(1, tok) - picked
+            # H = lse - sum_v p_v x_v, p = exp(log_softmax(x))
+            entropy = lse - logsm.exp_().mul_(x).sum(-1, keepdim=True) if return_entropy else None
+            return picked, lse, entropy
+
+    for (chunk,), r in _row_chunks([logits], rows):
+        for out, value in zip((logp, lse, entropy), block(chunk, flat_ids[r])):
+            if out is not None:
+                out[r] = value
     shape = (B, T)
     return logp.view(shape), lse.view(shape), None if entropy is None else entropy.view(shape)
 
@@ -100,14 +179,20 @@ def logprobs_fwd_torch(logits: torch.Tensor, ids: torch.Tensor, temperature: flo
 def logprobs_bwd_torch(
     logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor, temperature: float, out
 ):
-    """Chunked backward: writes dL/dlogits into ``out`` [B, T, V] (may be ``logits`` itself);
-    per chunk the upcast, p = exp(x / tau - lse) in place, and the scaled write in the
-    output's dtype."""
+    """The CPU backward: writes dL/dlogits into ``out`` [B, T, V] (may be ``logits`` itself).
+    Compiled (``_rows_bwd``), one pass; eager, per chunk the upcast, p = exp(x / tau - lse) in
+    place, and the scaled write in the output's dtype."""
     B, T, V = logits.shape
     acc = accumulate_dtype(logits)
     coef = (grad_logp.to(acc) / temperature).reshape(-1, 1)  # g / tau, [B*T, 1]
     flat_ids = ids.reshape(-1, 1).long()
     flat_lse = lse.reshape(-1, 1).to(acc)
+    if _use_compiled(logits):
+        inv_t = torch.tensor(1.0 / temperature, dtype=acc)
+        for (chunk, out_chunk), r in _row_chunks([logits, out], B * T):
+            target = None if out is logits else out_chunk.detach()  # detached: see logprobs_fwd_torch
+            _run_compiled(_rows_bwd, chunk.detach(), flat_ids[r], flat_lse[r], coef[r], inv_t, target)
+        return out
     (buffer,) = _scratch(logits, acc, 1)
     for (chunk, out_chunk), r in _row_chunks([logits, out], _rows_per_chunk(V)):
         p = _upcast(chunk, temperature, buffer).sub_(flat_lse[r]).exp_()  # softmax(x / tau), [n, V]
