@@ -4,10 +4,11 @@ Implementations (benchmarks/baselines.py): ``plain`` (float32 log_softmax + gath
 formula, eager: the baseline every ratio is taken against), ``fused`` and ``fused_inplace``
 (grpo_fast), ``trl`` (TRL's selective_log_softmax path), ``compiled`` (torch.compile of plain)
 and ``reference`` (grpo_fast.reference, the readable spec). Each (case, implementation) runs
-in a fresh subprocess to report the growth of its peak RSS during one call; the times come
+in a fresh subprocess to report the growth of its peak RSS during one call, after a warm-up
+call that compiles what compiles (``compiled``; ours on CPU above 4M logits); the times come
 from one process per case that alternates the implementations round by round (a warm-up
-round first, which compiles ``compiled``), so that a change in the machine's load falls on
-all of them alike: median (20%, 80%) of the rounds.
+round first), so that a change in the machine's load falls on all of them alike: median
+(20%, 80%) of the rounds.
 
     python benchmarks/bench_ops.py                 # full table, writes benchmarks/results/ops_cpu.json
     python benchmarks/bench_ops.py --quick         # tiny shapes (smoke test)
@@ -25,11 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
 from common import machine_info, peak_rss_growth, print_table, quantiles, run_isolated  # noqa: E402
 
-# (name, B, T, V, dtype): 4096 tokens at a Llama-2-sized vocabulary, and Qwen's vocabulary.
+# (name, B, T, V, dtype): 4096 tokens at a Llama-2-sized vocabulary, 1024 at Qwen's vocabulary.
 CASES = [
     ("loss_bf16_32k", 8, 512, 32768, "bfloat16"),
     ("loss_fp32_32k", 8, 512, 32768, "float32"),
     ("loss_bf16_152k", 4, 256, 151936, "bfloat16"),
+    ("loss_fp32_152k", 4, 256, 151936, "float32"),
     ("logprobs_nograd_bf16_32k", 8, 512, 32768, "bfloat16"),
 ]
 QUICK_CASES = [(name, 2, 16, 1000, dtype) for name, _, _, _, dtype in CASES]
@@ -38,7 +40,8 @@ LOGPROB_IMPLS = baselines.LOGPROB_IMPLS
 
 
 def worker(config: dict) -> dict:
-    """``mode="memory"``: the peak RSS growth of one call of ``impl`` (a fresh process each).
+    """``mode="memory"``: the peak RSS growth of one call of ``impl`` after a warm-up call
+    (a fresh process each).
     ``mode="time"``: every implementation of the case in one process, interleaved: after a
     warm-up call of each, ``repeats`` rounds that time one call of each in turn, so that a
     change in the machine's load falls on all of them alike."""
@@ -48,11 +51,10 @@ def worker(config: dict) -> dict:
         torch.set_num_threads(config["threads"])
     batch = baselines.make_batch(config["B"], config["T"], config["V"], getattr(torch, config["dtype"]))
     build = baselines.logprobs_step if config["name"].startswith("logprobs") else baselines.loss_step
-    if config["mode"] == "memory":  # one call (after compiling): nothing needs the logits after it
+    if config["mode"] == "memory":  # a call after a warm-up one: nothing needs the logits after it
         step = build(config["impl"], batch)
-        if config["impl"] == "compiled":
-            step()  # compile first: the peak is the compiled code's, not the compiler's
-        return {"peak_bytes": peak_rss_growth(step)}
+        step()  # compiles what compiles (ours, compiled): the peak is the compiled code's, not the compiler's
+        return {"peak_bytes": peak_rss_growth(step, reset=True)}
     # fused_inplace writes its gradient into the logits: the others must see the original ones
     pristine = batch["logits"].clone() if "fused_inplace" in config["impls"] else None
     steps = {impl: build(impl, batch) for impl in config["impls"]}
