@@ -92,6 +92,7 @@ def main():
         print(json.dumps(worker(json.loads(args.worker))))
         return
 
+    load_at_start = os.getloadavg()  # the run needs an idle machine: its load is recorded
     cases = QUICK_CASES if args.quick else CASES
     repeats = 1 if args.quick else args.repeats
     results, rows = [], []
@@ -133,7 +134,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump(
                 {
-                    "machine": dict(machine_info(), load_average=os.getloadavg()),
+                    "machine": dict(machine_info(), load_average_start=load_at_start, load_average=os.getloadavg()),
                     "baseline": "plain",
                     "trl": installed_version("trl"),
                     "results": results,
