@@ -16,8 +16,11 @@ from fractions import Fraction
 # Bound on the numerator and the denominator of every value, in bits (about 3000 decimal
 # digits): below Python's 4300-digit limit on int <-> str conversion, and fast to multiply.
 MAX_BITS = 10_000
-# Longest expression accepted: bounds parsing and the depth of the tree walked.
+# Longest expression accepted: bounds parsing.
 MAX_CHARS = 2_000
+# Deepest tree walked. Checked by count, not left to RecursionError: Python's recursion limit
+# is process state that other libraries raise (torch's inductor sets it to at least 2000).
+MAX_DEPTH = 200
 # Largest power of ten a literal like 1e5 may carry.
 _MAX_LITERAL_EXPONENT = 1_000
 _NUMBER = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?")
@@ -45,7 +48,7 @@ def calculator(expression: str) -> str:
     except (RecursionError, MemoryError):
         raise ValueError("the expression is nested too deeply") from None
     try:
-        value = _evaluate(tree.body, expression)
+        value = _evaluate(tree.body, expression, 0)
     except RecursionError:
         raise ValueError("the expression is nested too deeply") from None
     return format_number(value)
@@ -79,16 +82,18 @@ def _approximate(value: Fraction) -> str:
         return "-inf" if value < 0 else "inf"
 
 
-def _evaluate(node: ast.AST, source: str) -> Fraction:
+def _evaluate(node: ast.AST, source: str, depth: int) -> Fraction:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"the expression is nested too deeply (more than {MAX_DEPTH} levels)")
     if isinstance(node, ast.Constant):
         if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
             raise ValueError(f"only numbers are allowed, got {node.value!r}")
         return _literal(node, source)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        operand = _evaluate(node.operand, source)
+        operand = _evaluate(node.operand, source, depth + 1)
         return -operand if isinstance(node.op, ast.USub) else operand
     if isinstance(node, ast.BinOp) and isinstance(node.op, _BINARY):
-        left, right = _evaluate(node.left, source), _evaluate(node.right, source)
+        left, right = _evaluate(node.left, source, depth + 1), _evaluate(node.right, source, depth + 1)
         return _bounded(_apply(node.op, left, right))
     what = ast.get_source_segment(source, node) or type(node).__name__
     raise ValueError(
