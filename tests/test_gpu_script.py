@@ -3,8 +3,9 @@ virtual environment with that machine's Triton 3.6 and transformers 5.17 (``_dev
 ``python3`` the only Python on PATH, the project on PYTHONPATH and not installed.
 
 The real CUDA run gets one try in a 15-minute lease, so everything but the device is proved
-here: every stage runs its code paths (checks, timings, sweep, fused LM head, trainer step,
-the pytest-benchmark suite), the results fit the tool's 8 files, every check passes.
+here: every stage runs its code paths (checks, timings, sweep, fused LM head, trainer step and
+its rows against TRL, the pytest-benchmark suite), the results fit the tool's 8 files, every
+check passes.
 """
 
 import collections
@@ -12,11 +13,14 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import _device_image
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from bench_trainer import PHASES  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +64,15 @@ def test_run_all_dry_run_passes_on_the_device_image(tmp_path):
     checks = json.loads((out / "kernels_check_dryrun.json").read_text())
     assert checks["all_checks_ok"] and len(checks["checks"]) > 20, checks
     assert checks["triton"].startswith("3.6"), checks["triton"]
+    # The trainer step against TRL: our row trains; TRL's trains where its wheels came along
+    # (benchmarks/gpu/README.md), else it says why not; the image has no vLLM
+    engines = json.loads((out / "trainer_step_dryrun.json").read_text())["engines"]
+    assert set(engines["results"]["sampler"]["phases_median_s"]) == set(PHASES), engines
+    assert engines["skipped"]["vllm"].startswith("vllm not installed"), engines["skipped"]
+    if "trl" in engines["skipped"]:
+        assert engines["skipped"]["trl"].startswith("trl not installed"), engines["skipped"]
+    else:
+        assert engines["results"]["trl"]["median_s"] > 0, engines["results"]["trl"]
     timings = json.loads((out / "kernels_time_dryrun.json").read_text())["timings"]
     measured = {(r["op"], r["impl"]) for r in timings if "median_ms" in r}
     for impl in ("fused", "plain", "trl", "compiled", "reference"):

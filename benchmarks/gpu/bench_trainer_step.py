@@ -1,29 +1,45 @@
-"""GPU timing of one GRPO trainer step at a realistic model size, logits path against fused-linear.
+"""GPU timing of one GRPO trainer step: the logits path against fused-linear at a realistic
+model size, then grpo_fast's step against TRL's.
 
-A randomly initialised Llama (hidden 1024, 12 layers, vocabulary 32000, about 0.2B
-parameters; the demo's tokenizer padded to that vocabulary) trains on the arithmetic
+Loss paths: a randomly initialised Llama (hidden 1024, 12 layers, vocabulary 32000, about
+0.2B parameters; the demo's tokenizer padded to that vocabulary) trains on the arithmetic
 prompts: 64 completions per step (G = 8), 128 new tokens (a random model rarely stops
 early), beta = 0.04 (frozen reference copy), bf16 autocast. For each loss path, one warm-up
 step, then ``--steps`` timed steps; the JSON has the median step time, its split into
 rollout (generation, rewards, reference log-probs) and update, tokens/s, and the peak of
 ``torch.cuda.max_memory_allocated`` over the step.
 
+Against TRL (``engines`` in the JSON): ``benchmarks/bench_trainer.py``'s realistic workload
+(Llama hidden 256, 4 layers, vocabulary 32000, 32 completions of up to 128 tokens) on CUDA,
+one round of ``--engine-steps`` steps (the first dropped) per engine, each in a fresh
+process, with its phase split and peak memory: with vLLM when the image has it (ours
+``--generator vllm`` against TRL 1.16's colocated engine), else ours with its sampler
+against TRL with Hugging Face ``generate``. A row whose packages are missing (TRL and its
+dependencies travel as wheels, ``benchmarks/gpu/README.md``) is listed under ``skipped`` with
+why. It runs in what ``--budget-s`` leaves after the loss paths; a row that would not fit
+says so.
+
     python benchmarks/gpu/bench_trainer_step.py             # CUDA, about 2 minutes on an H200
-    python benchmarks/gpu/bench_trainer_step.py --dry-run   # CPU, the demo-sized model, seconds
+    python benchmarks/gpu/bench_trainer_step.py --dry-run   # CPU, the demo-sized models, seconds
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
-from grpo_fast.bench.measure import machine_info
-from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
-from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+import bench_trainer  # noqa: E402
+
+from grpo_fast.bench.measure import machine_info  # noqa: E402
+from grpo_fast.tasks.arithmetic import build_model, build_tokenizer  # noqa: E402
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer  # noqa: E402
 
 GPU_MODEL = dict(
     vocab_size=32000,
@@ -91,12 +107,47 @@ def time_variant(fused_linear: bool, model_sizes: dict, run: dict, steps: int, d
     }
 
 
+def against_trl(dry_run: bool, device: str, steps: int, deadline: float) -> dict:
+    """grpo_fast's step against TRL's (module docstring) on bench_trainer.py's realistic workload
+    (its tiny one on a dry run), rows started before ``deadline`` (``time.monotonic()``)."""
+    with_vllm = importlib.util.find_spec("vllm") is not None
+    engines, skipped = bench_trainer.runnable(["vllm", "trl_vllm"] if with_vllm else ["sampler", "trl"])
+    for engine in set(skipped) & set(bench_trainer.TRL_ENGINES):
+        skipped[engine] += ": carry its wheels (benchmarks/gpu/README.md)"
+    if not with_vllm:
+        why = "vllm not installed (its CUDA wheel is over the carry limit): the sampler and HF generate rows stand in"
+        skipped.update(vllm=why, trl_vllm=why)
+    for engine, why in skipped.items():
+        print(f"trainer vs TRL: skipping {engine}: {why}", flush=True)
+    work = (bench_trainer.tiny_workload if dry_run else bench_trainer.realistic_workload)(argparse.Namespace(seed=0))
+    # one thread on the dry run's CPU, as bench_trainer.py; on CUDA torch's default for the host side
+    threads = 1 if dry_run else torch.get_num_threads()
+    options = dict(steps=steps, threads=threads, seed=0, device=device, trl_as_shipped=False)
+    results, versions = bench_trainer.compare(work, engines, options, rounds=1, warmup=1, deadline=deadline)
+    bench_trainer.print_results(results)
+    return dict(
+        workload=work.name,
+        model=work.description,
+        engines=engines,
+        skipped=skipped,
+        warmup=1,
+        **options,
+        results=results,
+        versions=versions,
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU, the demo-sized model, 2 steps")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, the demo-sized models, 2 steps")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per loss path (dry run: 1)")
+    parser.add_argument(
+        "--engine-steps", type=int, default=4, help="steps per engine against TRL, the first dropped (dry run: 2)"
+    )
+    parser.add_argument("--budget-s", type=float, default=600, help="no engine row starts or runs past this")
     parser.add_argument("--out", default=None, help="JSON path (default $OUT/trainer_step_gpu.json)")
     args = parser.parse_args()
+    deadline = time.monotonic() + args.budget_s
     out_dir = os.environ.get("OUT", "benchmarks/results")
     out = args.out or os.path.join(out_dir, "trainer_step_dryrun.json" if args.dry_run else "trainer_step_gpu.json")
     if not args.dry_run and not torch.cuda.is_available():
@@ -106,7 +157,7 @@ def main():
     steps = 1 if args.dry_run else args.steps
 
     report = {
-        "benchmark": "GRPO trainer step (rollout with HF generate + update), bf16 autocast on CUDA",
+        "benchmark": "GRPO trainer step (rollout with HF generate + update), bf16 autocast on CUDA; then against TRL",
         "dry_run": args.dry_run,
         "model": model_sizes,
         "run": run,
@@ -117,10 +168,16 @@ def main():
         row = time_variant(fused_linear, model_sizes, run, steps, device)
         report["results"].append(row)
         print(json.dumps(row), flush=True)
+    write(report, out)  # the loss paths now: a run cut while against TRL keeps them
+    report["engines"] = against_trl(args.dry_run, device, 2 if args.dry_run else args.engine_steps, deadline)
+    write(report, out)
+
+
+def write(report: dict, out: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"wrote {out}")
+    print(f"wrote {out}", flush=True)
 
 
 if __name__ == "__main__":

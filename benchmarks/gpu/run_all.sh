@@ -7,7 +7,8 @@
 # Made for the GPU machine's image as it is: `python3` only (there is no `python`), the
 # project from PYTHONPATH (nothing is installed), no network. Liger-Kernel comes from a
 # carried wheel folder .whl/ when there is one (benchmarks/gpu/README.md), else its rows
-# say "not available". Each stage has a time budget and the run a deadline: a stage over
+# say "not available"; so do TRL and its dependencies, else the trainer step's TRL rows say
+# "skipped". Each stage has a time budget and the run a deadline: a stage over
 # its budget is cut and reported, and the next one still runs. At most 8 files in $OUT:
 #   run_all.log  stages.json  kernels_check.json  kernels_time.json  kernels_sweep.json
 #   fused_linear_gpu.json  trainer_step_gpu.json  pytest_benchmark.json
@@ -33,10 +34,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         export PYTHONPATH="$PYTHONPATH:/tmp/site"
         echo "installed the carried wheels into /tmp/site: $(ls .whl)"
     else
-        echo "NOTE: the carried wheels in .whl/ did not install; Liger-Kernel rows will be skipped"
+        echo "NOTE: the carried wheels in .whl/ did not install; Liger-Kernel and TRL rows will be skipped"
     fi
 else
-    echo "NOTE: no .whl/ folder carried: Liger-Kernel is not installed here, its rows will be skipped"
+    echo "NOTE: no .whl/ folder carried: Liger-Kernel and TRL are not installed here, their rows will be skipped"
 fi
 python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
@@ -85,10 +86,13 @@ kernels() {  # kernels STAGE BUDGET
 
 suffix=$([ -n "$DRY" ] && echo dryrun || echo gpu)
 kernels check 80
-kernels time 160
-kernels sweep 100
-stage "fused linear" 70 python3 benchmarks/gpu/bench_fused_linear.py $DRY --out "$OUT/fused_linear_$suffix.json"
-stage "trainer step" 50 python3 benchmarks/gpu/bench_trainer_step.py $DRY --steps 2 --out "$OUT/trainer_step_$suffix.json"
+kernels time 140
+kernels sweep 80
+stage "fused linear" 60 python3 benchmarks/gpu/bench_fused_linear.py $DRY --out "$OUT/fused_linear_$suffix.json"
+# The loss paths, then grpo_fast against TRL (with vLLM where the image has it; TRL from the
+# carried wheels): each engine's row in trainer_step_*.json, or why it was skipped.
+stage "trainer step" 100 python3 benchmarks/gpu/bench_trainer_step.py $DRY --steps 2 --budget-s 90 \
+    --out "$OUT/trainer_step_$suffix.json"
 # torch.compile is timed by the time stage; compiling it again here would not fit (nor, in a
 # dry run, prove anything the CUDA run does).
 if [ -n "$DRY" ]; then
