@@ -103,7 +103,10 @@ def trl_update(data):
 
 def trainer_speed(data):
     results = data["results"]
-    return [f"{results['grpo_fast']['steps_per_s'] / results['trl']['steps_per_s']:.2f}x"]
+    return [
+        f"{results['vllm']['steps_per_s'] / results['trl_vllm']['steps_per_s']:.2f}x",
+        f"{results['sampler']['steps_per_s'] / results['trl']['steps_per_s']:.2f}x",
+    ]
 
 
 def grpo_vs_ppo(data):
@@ -119,7 +122,7 @@ HEADLINES = {
     "ops_cpu_2threads.json": ops_loss_bf16,
     "fused_linear_cpu.json": fused_linear,
     "trl_cpu.json": trl_update,
-    "trainer_cpu_realistic.json": trainer_speed,
+    "trainer_cpu_engines_realistic.json": trainer_speed,
     "memory_cpu_100m.json": grpo_vs_ppo,
     "async_cpu_realistic.json": async_speed,
 }
