@@ -2,14 +2,18 @@
 
 Implementations, on the same batch (hidden [N, H], an LM head [V, H], float32):
 
+    plain       logits = hidden @ weight.T, then float32 log_softmax + gather + the loss formula
+                (baselines.py's plain recipe): the baseline every ratio is against
+    compiled    torch.compile of plain
     eager       logits = hidden @ weight.T, then reference.grpo_loss (the spec, materialised)
     fused       grpo_fast.fused_linear_grpo_loss
     liger       Liger-Kernel's LigerFusedLinearGRPOLoss (chunked torch; compiled=False), if installed
     liger_compiled  the same with torch.compile (Liger's default), with --liger-compiled
 
-Each implementation runs in a fresh subprocess that reports the growth of its peak RSS
-during its first forward + backward (which is also the warm-up), then the median (20%, 80%)
-of timed repeats. Gradients are taken for hidden and weight with torch.autograd.grad, as a
+Each implementation runs in a fresh subprocess: a warm-up forward + backward (which compiles
+what compiles), then timed repeats, median (20%, 80%); the first of them also reports the
+growth of the peak RSS during the call (the high-water mark reset before it, so the warm-up's
+compile does not count). Gradients are taken for hidden and weight with torch.autograd.grad, as a
 training step would. Every implementation's loss is printed beside the others' as a check
 that they compute the same thing.
 
@@ -22,9 +26,10 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info, peak_rss_growth, print_table, run_isolated, time_fn  # noqa: E402
+from common import machine_info, peak_rss_growth, print_table, quantiles, run_isolated  # noqa: E402
 
 SEQ_LEN = 1024  # tokens per sequence; B = N / SEQ_LEN sequences (one Liger chunk each)
 LOSS = dict(beta=0.04, eps_low=0.2, eps_high=0.2, loss_type="grpo")
@@ -42,7 +47,8 @@ def make_batch(N: int, H: int, V: int, dtype, device="cpu", seq_len: int = SEQ_L
     hidden = torch.randn(B, T, H, device=device, dtype=dtype)
     weight = (torch.randn(V, H, device=device, dtype=dtype) / H**0.5).requires_grad_()
     ids = torch.randint(0, V, (B, T), device=device)
-    logp = grpo_fast.fused_linear_token_logprobs(hidden, weight, ids)
+    with torch.no_grad():  # old and ref are data: no graph back to the weight
+        logp = grpo_fast.fused_linear_token_logprobs(hidden, weight, ids)
     old = logp + 0.1 * torch.randn(B, T, device=device)
     ref = logp + 0.3 * torch.randn(B, T, device=device)
     mask = torch.ones(B, T, device=device)
@@ -51,10 +57,9 @@ def make_batch(N: int, H: int, V: int, dtype, device="cpu", seq_len: int = SEQ_L
     return dict(hidden=hidden.requires_grad_(), weight=weight, ids=ids, mask=mask, advantages=adv, old=old, ref=ref)
 
 
-def loss_fn(impl: str, batch):
-    """A function of no arguments that runs one forward + backward of ``impl`` and returns the loss."""
-    import torch
-
+def forward_fn(impl: str, batch):
+    """A function of no arguments that runs one forward of ``impl`` and returns the loss (a scalar
+    with a graph back to ``batch["hidden"]`` and ``batch["weight"]``)."""
     import grpo_fast
     from grpo_fast import reference
 
@@ -63,6 +68,18 @@ def loss_fn(impl: str, batch):
 
         def forward():
             return reference.grpo_loss(h @ w.T, ids, adv, mask, old, ref, **LOSS).loss
+
+    elif impl in ("plain", "compiled"):
+        import torch
+        from baselines import plain_logprobs, plain_loss  # its BETA and EPS are LOSS's
+
+        def plain(h, w):
+            return plain_loss(plain_logprobs(h @ w.T, ids), adv, mask, old, ref)
+
+        run = torch.compile(plain) if impl == "compiled" else plain
+
+        def forward():
+            return run(h, w)
 
     elif impl == "fused":
 
@@ -86,10 +103,18 @@ def loss_fn(impl: str, batch):
 
     else:
         raise ValueError(f"unknown implementation {impl!r}")
+    return forward
+
+
+def loss_fn(impl: str, batch):
+    """A function of no arguments that runs one forward + backward of ``impl`` and returns the loss."""
+    import torch
+
+    forward = forward_fn(impl, batch)
 
     def step():
         loss = forward()
-        torch.autograd.grad(loss, (h, w))
+        torch.autograd.grad(loss, (batch["hidden"], batch["weight"]))
         return loss.item()
 
     return step
@@ -102,10 +127,18 @@ def worker(config: dict) -> dict:
         torch.set_num_threads(config["threads"])
     batch = make_batch(config["N"], config["H"], config["V"], getattr(torch, config["dtype"]))
     step = loss_fn(config["impl"], batch)
-    losses = []
-    peak = peak_rss_growth(lambda: losses.append(step()))  # also the warm-up
-    timing = time_fn(step, warmup=0, repeats=config["repeats"])
-    return {"peak_bytes": peak, "loss": losses[0], **timing}
+    loss = step()  # the warm-up: compiles what compiles
+    samples = []
+
+    def timed():
+        start = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - start)
+
+    peak = peak_rss_growth(timed, reset=True)
+    for _ in range(config["repeats"] - 1):
+        timed()
+    return {"peak_bytes": peak, "loss": loss, **quantiles(samples)}
 
 
 def main():
@@ -131,7 +164,7 @@ def main():
         return
 
     N, H, V, repeats = (256, 64, 4096, 1) if args.quick else (args.tokens, args.hidden, args.vocab, args.repeats)
-    impls = ["eager", "fused"]
+    impls = ["plain", "compiled", "eager", "fused"]
     if importlib.util.find_spec("liger_kernel") is not None:
         impls += ["liger"] + (["liger_compiled"] if args.liger_compiled else [])
     results = {}
@@ -140,7 +173,7 @@ def main():
         results[impl] = {**config, **run_isolated(__file__, config, timeout=3600)}
         print(f"{impl}: {results[impl]}", file=sys.stderr)
 
-    eager, rows = results["eager"], []
+    plain, rows = results["plain"], []
     flops = 6 * N * H * V  # three [N, H] x [H, V]-sized matmuls: forward, grad hidden, grad weight
     for impl, res in results.items():
         if "error" in res:
@@ -153,13 +186,13 @@ def main():
             "GFLOP/s (6NHV)": f"{flops / res['median_s'] / 1e9:.0f}",
             "peak MB": f"{res['peak_bytes'] / 2**20:.0f}",
         }
-        if "error" not in eager:
-            row["time / eager"] = f"{res['median_s'] / eager['median_s']:.2f}"
-            row["peak / eager"] = f"{res['peak_bytes'] / eager['peak_bytes']:.3f}"
+        if "error" not in plain:
+            row["time / plain"] = f"{res['median_s'] / plain['median_s']:.2f}"
+            row["peak / plain"] = f"{res['peak_bytes'] / plain['peak_bytes']:.3f}"
         rows.append(row)
     threads = args.threads or "default"
     print(f"N={N} tokens, H={H}, V={V}, float32, {threads} threads, loss {LOSS}; fwd+bwd (grads of hidden and weight)")
-    print_table(rows, ["impl", "time s", "time / eager", "GFLOP/s (6NHV)", "peak MB", "peak / eager", "loss"])
+    print_table(rows, ["impl", "time s", "time / plain", "GFLOP/s (6NHV)", "peak MB", "peak / plain", "loss"])
     if not args.quick:
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:

@@ -77,6 +77,11 @@ def test_run_all_dry_run_passes_on_the_device_image(tmp_path):
     measured = {(r["op"], r["impl"]) for r in timings if "median_ms" in r}
     for impl in ("fused", "plain", "trl", "compiled", "reference"):
         assert ("loss fwd+bwd", impl) in measured and ("log-probs no-grad", impl) in measured, impl
+    # The fused LM head: its checks pass, and it is timed beside every materialised-logits baseline
+    fused_linear = json.loads((out / "fused_linear_dryrun.json").read_text())
+    assert all(check["passed"] for check in fused_linear["checks"]), fused_linear["checks"]
+    timed = {row["impl"] for row in fused_linear["timings"] if "median_ms" in row}
+    assert {"fused", "fused_gspo", "plain", "eager", "compiled"} <= timed, fused_linear["timings"]
     # The pytest-benchmark suite at tiny shapes: every implementation of each op in one group
     # (torch.compile left out, as in the CUDA run; Liger-Kernel needs CUDA).
     groups = collections.defaultdict(dict)

@@ -4,8 +4,10 @@
    materialised logits, bf16 inputs, token-level and sequence-level (GSPO) ratios;
 2. measures the bf16 matmul rate of the device on the step's own matmul shapes;
 3. times a forward + backward (gradients of hidden and weight) at N = 16384 tokens,
-   H = 4096, V = 151936, bf16, median of timed repeats after a warm-up: ours, the eager
-   reference on materialised logits, and Liger-Kernel's LigerFusedLinearGRPOLoss if installed;
+   H = 4096, V = 151936, bf16, median of timed repeats after a warm-up: ours, and on
+   materialised logits the plain recipe (float32 log_softmax + gather + the loss formula),
+   torch.compile of it and the eager reference, and Liger-Kernel's LigerFusedLinearGRPOLoss
+   if installed;
 4. reports TFLOP/s and its fraction of the matmul rate, and the peak memory each step
    adds on top of its inputs (torch.cuda.max_memory_allocated);
 5. writes JSON to --out.
@@ -45,7 +47,7 @@ from grpo_fast import reference  # noqa: E402
 from grpo_fast.bench.measure import cuda_peak_extra_bytes, rel_err  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_fused_linear import LOSS, make_batch  # noqa: E402  (the CPU benchmark's batch)
+from bench_fused_linear import LOSS, forward_fn, make_batch  # noqa: E402  (the CPU benchmark's batch)
 
 DEVICE = "cpu" if ARGS.dry_run else "cuda"
 if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -129,8 +131,10 @@ def steps(batch):
         "fused_gspo": lambda: run(
             grpo_fast.fused_linear_grpo_loss(h, w, *loss_args(batch), importance_sampling="sequence", **LOSS).loss
         ),
-        "eager": lambda: run(reference.grpo_loss(h @ w.T, *loss_args(batch), **LOSS).loss),
     }
+    for impl in ("plain", "eager", "compiled"):  # the CPU benchmark's baselines; compile's cost last
+        forward = forward_fn(impl, batch)
+        variants[impl] = lambda forward=forward: run(forward())
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
     except ImportError:
@@ -166,6 +170,7 @@ def main():
     report["shape"] = dict(N=N, H=H, V=V, dtype="bfloat16", loss=LOSS)
     report["matmul"] = matmul_rates(N, H, V)
     print(json.dumps(report["matmul"]), flush=True)
+    save(report)
     batch = make_batch(N, H, V, DTYPE, DEVICE, seq_len)
     rate = report["matmul"]["rate_tflops"]
     for name, step in steps(batch).items():
@@ -183,11 +188,14 @@ def main():
             )
         report["timings"].append(row)
         print(json.dumps(row), flush=True)
+        save(report)  # row by row: a stage cut at its budget keeps the rows it timed
+    print(f"wrote {ARGS.out}")
 
+
+def save(report):
     os.makedirs(os.path.dirname(os.path.abspath(ARGS.out)), exist_ok=True)
     with open(ARGS.out, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"wrote {ARGS.out}")
 
 
 if __name__ == "__main__":
