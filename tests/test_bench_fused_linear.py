@@ -1,6 +1,7 @@
 """benchmarks/bench_fused_linear.py: every implementation on the CPU (plain, compiled, the spec,
-ours) runs its timed repeats on the batch it builds, and they compute the same loss and gradients (the old and reference log-probs are data,
-not a graph back to the LM head: a graph there made eager's second repeat fail)."""
+ours) runs its timed repeats on the batch it builds, and they compute the same loss and
+gradients (the old and reference log-probs are data, not a graph back to the LM head: a graph
+there made eager's second repeat fail)."""
 
 import os
 import sys
