@@ -126,15 +126,18 @@ def steps(batch):
     def run(loss):
         torch.autograd.grad(loss, (h, w))
 
+    def backward_of(impl):  # the CPU benchmark's forward of impl, then the gradients
+        forward = forward_fn(impl, batch)
+        return lambda: run(forward())
+
     variants = {
-        "fused": lambda: run(grpo_fast.fused_linear_grpo_loss(h, w, *loss_args(batch), **LOSS).loss),
+        "fused": backward_of("fused"),
         "fused_gspo": lambda: run(
             grpo_fast.fused_linear_grpo_loss(h, w, *loss_args(batch), importance_sampling="sequence", **LOSS).loss
         ),
     }
-    for impl in ("plain", "eager", "compiled"):  # the CPU benchmark's baselines; compile's cost last
-        forward = forward_fn(impl, batch)
-        variants[impl] = lambda forward=forward: run(forward())
+    # the materialised-logits baselines, compile's cost last
+    variants.update({impl: backward_of(impl) for impl in ("plain", "eager", "compiled")})
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
     except ImportError:
