@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_trainer import realistic_workload  # noqa: E402
 
 from grpo_fast.bench.measure import machine_info, quantiles  # noqa: E402
-from grpo_fast.trainer import GRPOConfig, GRPOTrainer, run_log, step  # noqa: E402
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer, step  # noqa: E402
+from grpo_fast.trainer.run import run_log
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -111,7 +111,8 @@ import torch
 
 from grpo_fast.bench.measure import current_rss_bytes, machine_info, peak_rss_bytes, quantiles, run_isolated
 from grpo_fast.tasks.arithmetic import arithmetic_reward, build_dataset, build_model, build_tokenizer
-from grpo_fast.trainer import GRPOConfig, GRPOTrainer, run_log
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+from grpo_fast.trainer.run import run_log
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -466,7 +467,7 @@ def vllm_settings(llm) -> dict:
 
 def run_grpo_fast(work: Workload, options: dict, generator: str) -> dict:
     """Per-step seconds, phases, tokens and batch layout of one fresh grpo_fast run."""
-    from grpo_fast.trainer import step as step_module
+    from grpo_fast.trainer.update import batch as step_module
 
     steps, device = options["steps"], options["device"]
     trainer = work.trainer(steps=steps, loss_type="grpo", generator=generator, seed=options["seed"], device=device)
@@ -559,7 +560,7 @@ def trl_vllm_patches(work: Workload, ours: GRPOConfig, device: str):
 
     engine = dict(enforce_eager=ours.vllm_enforce_eager)
     if device == "cpu":
-        from grpo_fast.trainer.generators.vllm import cpu_kv_cache_bytes
+        from grpo_fast.trainer.rollout.engines.vllm import cpu_kv_cache_bytes
 
         model_config = AutoConfig.from_pretrained(work.model_dir)
         engine.update(dtype="float32", kv_cache_memory_bytes=cpu_kv_cache_bytes(model_config, ours, torch.float32))

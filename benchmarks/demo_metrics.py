@@ -8,7 +8,7 @@ modes are the demo (seed 0) as a user runs it, synchronous, with a rollout worke
 (``--max-staleness 1``), on vLLM's and on Hugging Face's ``generate``, and a run resumed from a
 checkpoint; more modes go through the code paths the demo leaves out: several optimisation
 passes over micro-batches with the sampling correction, dynamic sampling, the fused LM head,
-and PPO's critic.
+the tool task's multi-turn rollouts with the calculator, and PPO's critic.
 """
 
 import argparse
@@ -38,6 +38,7 @@ MODES = {
     ],
     "dynamic": ["--steps", "60", "--dynamic-sampling", "--max-tokens-per-micro-batch", "400"],
     "fused": ["--steps", "60", "--fused-linear", "--num-iterations", "2"],
+    "tools": ["--task", "tool_arithmetic", "--tools", "calculator", "--steps", "60"],
 }
 RESUME_FROM = "sync"  # the resumed run repeats this mode's last 100 steps from a checkpoint
 PPO = """
@@ -70,7 +71,7 @@ def run(directory: str) -> None:
 
 
 def _rows(path: str) -> list:
-    from grpo_fast.trainer.run_log import TIMING_KEYS
+    from grpo_fast.trainer.run.run_log import TIMING_KEYS
 
     with open(path) as f:
         return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in f]

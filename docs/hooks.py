@@ -7,15 +7,15 @@ MARKER = "<!-- flags -->"
 
 
 def flags_markdown() -> str:
-    """One table per topic of :data:`grpo_fast.trainer.config.TOPICS`: flag (and its TRL and
-    short names), default, help."""
+    """One table per help topic (:func:`grpo_fast.trainer.config.help_topics`, the fields' own
+    declarations): flag (and its TRL and short names), default, help."""
     from grpo_fast.cli import flag_names
     from grpo_fast.spec import option_default
-    from grpo_fast.trainer.config import TOPICS, GRPOConfig
+    from grpo_fast.trainer.config import GRPOConfig, help_topics
 
     fields = {field.name: field for field in dataclasses.fields(GRPOConfig)}
     parts = []
-    for topic, names in TOPICS.items():
+    for topic, names in help_topics().items():
         parts += [f"## {topic[0].upper()}{topic[1:]}", "", "| flag | default | what it does |", "|---|---|---|"]
         for name in names:
             flags = " ".join(f"`{flag}`" for flag in flag_names(name))

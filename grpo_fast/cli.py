@@ -16,13 +16,15 @@ printed with its rank.
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 import types
 import typing
 
 from grpo_fast.spec import option_default
-from grpo_fast.trainer.config import TOPICS, TRL_ALIASES, TRL_INSTEAD, GRPOConfig
+from grpo_fast.trainer.config import GRPOConfig, help_topics
+from grpo_fast.trainer.trl_names import TRL_ALIASES, TRL_INSTEAD
 
 BENCHMARKS = {
     "memory": "peak memory and step time of one training step: ppo, grpo_eager, grpo_fused, grpo_fused_linear"
@@ -135,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="YAML file of config keys; flags given here override it")
     train.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
     fields = {field.name: field for field in dataclasses.fields(GRPOConfig)}
-    for topic, names in TOPICS.items():
+    for topic, names in help_topics().items():
         group = train.add_argument_group(topic)
         for name in names:
             _add_field(group, fields[name])
@@ -245,7 +247,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
     config = eval_config(args)
     from grpo_fast.trainer import distributed
-    from grpo_fast.trainer.evaluation import evaluate_model
+    from grpo_fast.trainer.run.evaluation import evaluate_model
 
     metrics = evaluate_model(config)
     if int(os.environ.get("RANK", 0)) == 0:
@@ -275,15 +277,26 @@ def dashed(argv: list) -> list:
 def _run_errors() -> tuple:
     """What a run's input can cause besides ValueError and FileNotFoundError: one line and
     exit code 2, not a traceback (imported when a run has failed: rollout's module loads torch)."""
-    from grpo_fast.trainer.rollout import RewardError
-    from grpo_fast.trainer.trackers import TrackerUnavailable
+    from grpo_fast.trainer.config import TrackerUnavailable
+    from grpo_fast.trainer.rollout.samples import RewardError
 
     return RewardError, TrackerUnavailable
+
+
+def _log_to_stderr() -> None:
+    """The ``grpo_fast`` logger's info lines (what the run decided: its precision) on stderr, once."""
+    logger = logging.getLogger("grpo_fast")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("grpo-fast: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(dashed(sys.argv[1:] if argv is None else argv))
+    _log_to_stderr()
     try:
         if args.command == "bench":  # the benchmark's module is imported only when it runs
             from grpo_fast.bench import memory

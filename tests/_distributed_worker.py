@@ -16,8 +16,9 @@ import torch
 
 from grpo_fast.tasks.arithmetic import arithmetic_reward, build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
-from grpo_fast.trainer.metrics import read_metrics
-from grpo_fast.trainer.step import Proximal, packed_logprobs
+from grpo_fast.trainer.update.batch import packed_logprobs
+from grpo_fast.trainer.update.metrics import read_metrics
+from grpo_fast.trainer.update.passes import Proximal
 
 SMALL = dict(batch_size=16, group_size=4, max_new_tokens=3, progress=False, beta=0.1)
 

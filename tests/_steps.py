@@ -6,9 +6,9 @@ import dataclasses
 import torch
 from conftest import completion_logprobs
 
-from grpo_fast.trainer.metrics import read_metrics
-from grpo_fast.trainer.packing import pack_micro_batches
-from grpo_fast.trainer.step import Proximal
+from grpo_fast.trainer.model.packing import pack_micro_batches
+from grpo_fast.trainer.update.metrics import read_metrics
+from grpo_fast.trainer.update.passes import Proximal
 
 
 def next_batch(trainer):

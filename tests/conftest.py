@@ -33,7 +33,7 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """The padded batch's logits that predict the completion tokens, [N, C, V]: what the
     trainer's packed forwards are checked against. ``logits_to_keep`` runs the LM head on
     positions L-C-1 .. L-2 only (each predicts the next token)."""
-    from grpo_fast.trainer.generators import position_ids
+    from grpo_fast.trainer.rollout.engines import position_ids
 
     L, C = input_ids.shape[1], num_completion_tokens
     keep = torch.arange(L - C - 1, L - 1, device=input_ids.device)
@@ -151,14 +151,14 @@ def small_config(tmp_path, **overrides):
 
 def without_timings(rows: list) -> list:
     """Metrics rows without the keys that measure time or memory (they differ run to run)."""
-    from grpo_fast.trainer.run_log import TIMING_KEYS
+    from grpo_fast.trainer.run.run_log import TIMING_KEYS
 
     return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in rows]
 
 
 def assert_rows_close(rows: list, expected: list, rel: float) -> None:
     """Metrics rows equal ``expected`` row for row, key for key (timings aside), to ``rel``."""
-    from grpo_fast.trainer.run_log import TIMING_KEYS
+    from grpo_fast.trainer.run.run_log import TIMING_KEYS
 
     assert len(rows) == len(expected)
     for got, want in zip(rows, expected):

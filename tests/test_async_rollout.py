@@ -33,12 +33,13 @@ from conftest import (
 from grpo_fast import reference
 from grpo_fast.spec import SAMPLING_CORRECTIONS, sampling_correction
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
-from grpo_fast.trainer.async_rollout import WorkerError
 from grpo_fast.trainer.distributed import Ranks
-from grpo_fast.trainer.rollout import reference_context, sampling_metrics
-from grpo_fast.trainer.run_log import read_metrics
-from grpo_fast.trainer.sources import InProcessRollouts
-from grpo_fast.trainer.step import packed_logprobs
+from grpo_fast.trainer.model.build import reference_context
+from grpo_fast.trainer.rollout.sources import InProcessRollouts
+from grpo_fast.trainer.rollout.worker import WorkerError
+from grpo_fast.trainer.run.run_log import read_metrics
+from grpo_fast.trainer.update.batch import packed_logprobs
+from grpo_fast.trainer.update.passes import sampling_metrics
 
 
 @pytest.mark.parametrize("mode", list(SAMPLING_CORRECTIONS))

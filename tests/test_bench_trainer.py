@@ -52,7 +52,7 @@ def test_sampler_against_trl_colocated_vllm_each_round_in_its_own_process():
     pytest.importorskip("vllm")
     from transformers import AutoConfig
 
-    from grpo_fast.trainer.generators.vllm import cpu_kv_cache_bytes
+    from grpo_fast.trainer.rollout.engines.vllm import cpu_kv_cache_bytes
 
     work = bench_trainer.tiny_workload(argparse.Namespace(seed=0))
     args = argparse.Namespace(

@@ -9,8 +9,8 @@ import torch
 
 from grpo_fast.cli import build_parser, dashed, main, make_config
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
-from grpo_fast.trainer import checkpoint as ckpt
-from grpo_fast.trainer.run_log import METRIC_KEYS, read_metrics, tenth_means
+from grpo_fast.trainer.run import checkpoint as ckpt
+from grpo_fast.trainer.run.run_log import METRIC_KEYS, read_metrics, tenth_means
 
 SMALL = ["--steps", "2", "--batch-size", "8", "-G", "4", "--max-new-tokens", "3", "--no-progress"]
 
@@ -113,23 +113,38 @@ def test_console_script_points_at_main():
 
 
 def test_every_train_flag_has_a_help_line_with_its_default_under_its_topic(capsys):
-    """``train --help`` lists every config field once, under its topic (TOPICS, the docs' flag
-    table's order), with its help and default."""
+    """``train --help`` lists every config field once, under the topic the field declares, the
+    topics in TOPICS' order (the docs' flag table's), with its help and default; a field
+    without a known topic is refused by name."""
     import dataclasses
 
-    from grpo_fast.trainer.config import TOPICS, GRPOConfig
+    from grpo_fast.spec import option
+    from grpo_fast.trainer.config import TOPICS, GRPOConfig, help_topics
 
-    grouped = [name for names in TOPICS.values() for name in names]
+    topics = help_topics()
+    grouped = [name for names in topics.values() for name in names]
     assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(GRPOConfig)), "each field in one topic"
-    assert len(grouped) == len(set(grouped))
+    assert len(grouped) == len(set(grouped)) and list(topics) == list(TOPICS)
+    assert all(name in topics[f.metadata["topic"]] for f in dataclasses.fields(GRPOConfig) for name in [f.name])
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = capsys.readouterr().out
     headers = [text.index(f"\n{topic}:\n") for topic in TOPICS]
     assert headers == sorted(headers)
+    for topic, names in topics.items():  # each flag after its own topic's header and before the next's
+        start = text.index(f"\n{topic}:\n")
+        end = min([h for h in headers if h > start], default=len(text))
+        assert all(f"--{name.replace('_', '-')}" in text[start:end] for name in names), topic
     text = " ".join(text.split())
     for field in dataclasses.fields(GRPOConfig):
         assert f"{field.metadata['help']} (default:" in text, field.name
+
+    @dataclasses.dataclass
+    class Untopical(GRPOConfig):
+        stray: int = option(0, "a field with no topic")
+
+    with pytest.raises(ValueError, match="'stray' declares help topic None"):
+        help_topics(Untopical)
 
 
 def test_help_and_a_bad_setting_answer_before_torch_loads():

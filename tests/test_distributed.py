@@ -35,9 +35,9 @@ from conftest import (
 
 from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
-from grpo_fast.trainer import checkpoint as ckpt
-from grpo_fast.trainer.distributed import PARALLEL
-from grpo_fast.trainer.run_log import read_metrics, tenth_means
+from grpo_fast.trainer.choices import PARALLEL
+from grpo_fast.trainer.run import checkpoint as ckpt
+from grpo_fast.trainer.run.run_log import read_metrics, tenth_means
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ from conftest import SMALL as SMALL_RUN
 from grpo_fast.cli import main
 from grpo_fast.tasks.arithmetic import HELD_OUT, build_dataset, held_out_rows
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
-from grpo_fast.trainer.evaluation import eval_metrics, pass_at_k
-from grpo_fast.trainer.run_log import TIMING_KEYS, read_completions, read_metrics
+from grpo_fast.trainer.run.evaluation import eval_metrics, pass_at_k
+from grpo_fast.trainer.run.run_log import TIMING_KEYS, read_completions, read_metrics
 
 SMALL = dict(SMALL_RUN, steps=4)
 EVAL = dict(eval_every=2, eval_samples=4, log_completions_every=2)
@@ -203,7 +203,7 @@ def test_completion_rows_spread_over_groups_and_average_per_token_advantages():
     completion's tokens; NaN rewards (not scored) become None."""
     from grpo_fast.outputs import GroupAdvantages
     from grpo_fast.trainer import Samples, StepBatch
-    from grpo_fast.trainer.run_log import completion_rows
+    from grpo_fast.trainer.run.run_log import completion_rows
 
     N, C = 32, 3
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]).repeat(N // 2, 1)

@@ -16,7 +16,7 @@ import torch
 import yaml
 from conftest import small_config
 
-from grpo_fast.trainer import hub
+from grpo_fast.trainer.run import hub
 
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens, a connection is refused at once
 REPO = "someone/grpo-fast-test"

@@ -16,8 +16,8 @@ from grpo_fast import grpo_loss
 from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
-from grpo_fast.trainer.packing import micro_batches, pack, packed_logits, to_grid
-from grpo_fast.trainer.rollout import reference_context
+from grpo_fast.trainer.model.build import reference_context
+from grpo_fast.trainer.model.packing import micro_batches, pack, packed_logits, to_grid
 from grpo_fast.trainer.runtime import Runtime
 
 CASES = [dict(loss_type=name) for name in LOSS_TYPES] + [dict(loss_type="grpo", importance_sampling="sequence")]

@@ -14,7 +14,6 @@ import yaml
 
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
-from grpo_fast.trainer import checkpoint as ckpt
 from grpo_fast.trainer.ppo import (
     PPOConfig,
     PPOTrainer,
@@ -24,7 +23,8 @@ from grpo_fast.trainer.ppo import (
     masked_whiten,
     terminal_rewards,
 )
-from grpo_fast.trainer.run_log import TIMING_KEYS, read_metrics
+from grpo_fast.trainer.run import checkpoint as ckpt
+from grpo_fast.trainer.run.run_log import TIMING_KEYS, read_metrics
 
 
 def test_gae_hand_computed():

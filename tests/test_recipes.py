@@ -24,8 +24,8 @@ from _hermes import make_tokenizer
 
 from grpo_fast.tasks.arithmetic import build_model
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
-from grpo_fast.trainer.evaluation import check_reward_columns, load_eval_rows
-from grpo_fast.trainer.rollout import score
+from grpo_fast.trainer.rollout.samples import score
+from grpo_fast.trainer.run.evaluation import check_reward_columns, load_eval_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))

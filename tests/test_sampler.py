@@ -13,9 +13,9 @@ import torch
 from grpo_fast import reference
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig
-from grpo_fast.trainer.generators import encode_prompts
-from grpo_fast.trainer.generators.sampler import Sampler
-from grpo_fast.trainer.generators.sampling import sample_streams, sample_tokens, stream_uniforms
+from grpo_fast.trainer.rollout.engines import EngineSettings, encode_prompts
+from grpo_fast.trainer.rollout.engines.sampler import Sampler
+from grpo_fast.trainer.rollout.engines.sampling import sample_streams, sample_tokens, stream_uniforms
 
 PROMPTS = ["1+2=", "9+0=11+", "3+", "4+4=", "7", "2+2=4+5=", "0+", "8+1="]
 
@@ -31,7 +31,9 @@ def model(tokenizer):
 
 
 def sampler(model, tokenizer, static_cache=False, **config):
-    return Sampler(model, tokenizer, GRPOConfig(**{"max_new_tokens": 8, **config}), static_cache=static_cache)
+    return Sampler(
+        model, tokenizer, EngineSettings.of(GRPOConfig(**{"max_new_tokens": 8, **config})), static_cache=static_cache
+    )
 
 
 def completion_tokens(generation) -> list:
@@ -183,7 +185,7 @@ def test_first_token_distribution_is_the_models(model, tokenizer, options):
 
 def test_bad_settings_are_value_errors(model, tokenizer):
     with pytest.raises(ValueError, match="compile_generation needs a CUDA device"):
-        Sampler(model, tokenizer, GRPOConfig(generator="sampler", compile_generation=True))
+        Sampler(model, tokenizer, EngineSettings.of(GRPOConfig(generator="sampler", compile_generation=True)))
     with pytest.raises(ValueError, match="compile_generation needs generator='sampler'"):
         GRPOConfig.from_dict(dict(compile_generation=True, generator="hf"))
     with pytest.raises(ValueError, match="keys must give one key per prompt"):

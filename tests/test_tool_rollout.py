@@ -8,7 +8,7 @@ import torch
 
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer.config import GRPOConfig
-from grpo_fast.trainer.generators import Turns, make_generator, position_ids
+from grpo_fast.trainer.rollout.engines import EngineSettings, Turns, make_generator, position_ids
 
 
 class ScriptedTurns(Turns):
@@ -60,7 +60,9 @@ def test_turns_continue_with_the_suffix(model_and_tokenizer, engine):
     stop, suffix = tokenizer.convert_tokens_to_ids("7"), tokenizer.encode("+=+", add_special_tokens=False)
     turns = ScriptedTurns(stop, suffix)
     torch.manual_seed(0)
-    out = make_generator(engine, model, tokenizer, config).generate(["1+2=", "34+5="], 4, [0, 1], turns=turns)
+    out = make_generator(engine, model, tokenizer, EngineSettings.of(config)).generate(
+        ["1+2=", "34+5="], 4, [0, 1], turns=turns
+    )
     C = out.completion_mask.shape[1]
     completion, real, sampled = out.input_ids[:, -C:], out.attention_mask[:, -C:].bool(), out.completion_mask.bool()
     assert C <= config.max_new_tokens and bool((sampled <= real).all())
@@ -92,7 +94,7 @@ def test_without_turns_the_sampler_is_unchanged(model_and_tokenizer):
     rows of a run without one (turns end at EOS, nothing appended)."""
     model, tokenizer = model_and_tokenizer
     config = GRPOConfig(max_new_tokens=6, batch_size=8, group_size=4, seed=2)
-    engine = make_generator("sampler", model, tokenizer, config)
+    engine = make_generator("sampler", model, tokenizer, EngineSettings.of(config))
     plain = engine.generate(["1+2=", "3+4="], 4, [5, 6])
     never = engine.generate(["1+2=", "3+4="], 4, [5, 6], turns=ScriptedTurns(tokenizer.eos_token_id, [1], turns=0))
     C = plain.completion_mask.shape[1]
@@ -125,8 +127,8 @@ def test_a_tool_run_logs_its_turns_and_resumes_exactly(tmp_path, short_warm_star
     from conftest import without_timings
 
     from grpo_fast.trainer import GRPOTrainer
-    from grpo_fast.trainer import checkpoint as ckpt
-    from grpo_fast.trainer.run_log import read_completions, read_metrics
+    from grpo_fast.trainer.run import checkpoint as ckpt
+    from grpo_fast.trainer.run.run_log import read_completions, read_metrics
 
     def config(name):
         return GRPOConfig.from_dict(dict(TOOL_RUN, steps=4, save_every=2, output_dir=str(tmp_path / name)))
@@ -182,7 +184,7 @@ def test_rewards_see_trajectories_and_tool_counts(tmp_path, short_warm_start):
     """A reward function gets each completion as its messages (TRL's shape) and the columns
     tool_calls and tool_failures, the rows' counts that the log line's tools/* come from."""
     from grpo_fast.trainer import GRPOTrainer
-    from grpo_fast.trainer.rollout import rollout
+    from grpo_fast.trainer.rollout.samples import rollout
 
     seen = {}
 
@@ -215,7 +217,7 @@ def test_a_task_brings_its_own_defaults():
 def test_each_row_turns_within_its_own_budget(model_and_tokenizer):
     """continue_turns (hf, vllm) gives every row its own room: a row whose suffix left it more
     room than another's is not cut to the smaller one."""
-    from grpo_fast.trainer.generators import continue_turns
+    from grpo_fast.trainer.rollout.engines import continue_turns
 
     _, tokenizer = model_and_tokenizer
     eos, T = tokenizer.eos_token_id, 12

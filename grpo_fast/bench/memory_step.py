@@ -30,8 +30,8 @@ def _synthetic_batch(N: int, P: int, C: int, V: int, device):
 def _fixed_source(batch: dict, ranks):
     """A rollout source whose samples are this rank's rows of ``batch`` (tensors [N, ...]),
     every step, instead of sampled ones: the rest of the step (reference log-probs) runs as usual."""
-    from grpo_fast.trainer.rollout import Samples
-    from grpo_fast.trainer.sources import RolloutSource
+    from grpo_fast.trainer.rollout.samples import Samples
+    from grpo_fast.trainer.rollout.sources import RolloutSource
 
     class FixedSamples(RolloutSource):
         def next(self, position: int, version: int) -> Samples:

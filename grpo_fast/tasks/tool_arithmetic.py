@@ -60,8 +60,8 @@ answer. Both arms take the same steps over the same problems (the no-tool model 
 answers too); only the assistant's tokens are trained (the prompt and the tool's tokens are
 masked), and never on a held-out problem. After it the tools model calls the calculator, copies
 the expression and the result about half the time: held-out pass@1 sampled at temperature 1 (as
-the RL samples) is 0.59, 0.47 and 0.56 for seeds 0-2 (``pass_at_1``: the trainer's rollout, our
-sampler and the tool loop), and 0 without tools; the RL does the rest (benchmarks/bench_tools.py,
+the RL samples) is 0.59, 0.47 and 0.56 for seeds 0-2 (the trainer's rollout: our sampler and the
+tool loop), and 0 without tools; the RL does the rest (benchmarks/bench_tools.py,
 docs/tools.md). Measured while choosing it, with an earlier two-turn loop of the model's
 ``generate`` (200 steps at lr 3e-3 gave 0.52, 0.50, 0.61 there): at lr 1e-2 the copy emerged
 abruptly at a seed-dependent step (300 steps gave 0.22, 0.93 and 0.00), and a seed that starts
@@ -343,32 +343,3 @@ def warm_start(
     model.zero_grad(set_to_none=True)  # the RL's first step must not add the last demonstrations' gradient
     model.train(was_training)
     return {"seconds": time.perf_counter() - start, "loss": loss_value}
-
-
-def solve(model, tokenizer, rows: list, *, tools: bool, do_sample: bool = False, seed: int = 0) -> list:
-    """One trajectory of ``model`` per row of ``rows``, through the trainer's own rollout (our
-    sampler and, with ``tools``, the tool loop with the calculator), greedy (top-k 1) or sampled
-    at temperature 1 (``do_sample``, seeded by ``seed``). Returns the completions as the rewards
-    get them: each row's messages (TRL's shape) with tools, else its text."""
-    from grpo_fast.tasks.datasets import format_prompts
-    from grpo_fast.trainer.config import GRPOConfig
-    from grpo_fast.trainer.generators import make_generator
-    from grpo_fast.trainer.rollout import rollout
-    from grpo_fast.trainer.tool_turns import ToolLoop
-
-    config = GRPOConfig(
-        task="tool_arithmetic", tools=list(TOOLS) if tools else None, seed=seed, top_k=0 if do_sample else 1
-    )
-    template = _tool_template(tokenizer) if tools else None
-    rows = format_prompts(rows, tokenizer, tools=template.schemas if tools else None)
-    engine = make_generator("sampler", model, tokenizer, config)
-    loop = ToolLoop(template, config) if tools else None
-    return rollout(engine, rows, list(range(len(rows))), [], group_size=1, turns=loop).completions
-
-
-def pass_at_1(model, tokenizer, rows: list | None = None, *, tools: bool, do_sample: bool = False, seed: int = 0):
-    """The share of ``rows`` (default: the held-out ones) whose final answer is exact, by :func:`solve`."""
-    rows = held_out_rows() if rows is None else rows
-    trajectories = solve(model, tokenizer, rows, tools=tools, do_sample=do_sample, seed=seed)
-    rewards = tool_arithmetic_reward(None, trajectories, [row["answer"] for row in rows])
-    return sum(r == 1.0 for r in rewards) / len(rows)

@@ -7,8 +7,8 @@ from grpo_fast._lazy import lazy_exports
 if TYPE_CHECKING:
     from grpo_fast.trainer.config import GRPOConfig
     from grpo_fast.trainer.grpo import GRPOTrainer
-    from grpo_fast.trainer.rollout import RewardError, Samples
-    from grpo_fast.trainer.step import StepBatch
+    from grpo_fast.trainer.rollout.samples import RewardError, Samples
+    from grpo_fast.trainer.update.batch import StepBatch
 
 # Imported on first use: the config (and the command line) load without torch.
 __getattr__ = lazy_exports(
@@ -16,9 +16,9 @@ __getattr__ = lazy_exports(
     {
         "GRPOConfig": "grpo_fast.trainer.config",
         "GRPOTrainer": "grpo_fast.trainer.grpo",
-        "Samples": "grpo_fast.trainer.rollout",
-        "RewardError": "grpo_fast.trainer.rollout",
-        "StepBatch": "grpo_fast.trainer.step",
+        "Samples": "grpo_fast.trainer.rollout.samples",
+        "RewardError": "grpo_fast.trainer.rollout.samples",
+        "StepBatch": "grpo_fast.trainer.update.batch",
     },
 )
 

@@ -6,6 +6,7 @@ one-line help, which ``grpo-fast train --help`` prints beside its default.
 """
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -13,13 +14,25 @@ from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampl
 from grpo_fast.tasks import TASK_SETTINGS, TASKS
 from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
 from grpo_fast.tools import TOOLS
-from grpo_fast.trainer.generators import ENGINES
-from grpo_fast.trainer.trackers import TRACKERS, check_trackers
+from grpo_fast.trainer.choices import ENGINES, LR_SCHEDULES, PARALLEL, PRECISIONS, TRACKERS, TURN_ENGINES
+from grpo_fast.trainer.trl_names import from_trl_names
 
-LR_SCHEDULES = ("cosine", "linear", "constant")
-PRECISIONS = ("auto", "bf16", "fp32")
-PARALLEL = ("ddp", "fsdp")  # under torchrun: each rank a replica, or a shard (FSDP2)
-TURN_ENGINES = ("sampler", "hf", "vllm")  # the engines that run multi-turn rollouts (tools)
+# The help topics, in the order of `grpo-fast train --help` and of the docs' flag table; each
+# field names its own (``option(..., topic=...)``), and :func:`help_topics` groups them.
+TOPICS = (
+    "model and data",
+    "rewards",
+    "tools",
+    "rollout",
+    "generation engine",
+    "asynchronous rollouts and off-policy samples",
+    "loss",
+    "optimisation",
+    "memory and speed",
+    "devices",
+    "checkpoints, logging and the Hub",
+    "held-out evaluation",
+)
 
 
 @dataclass
@@ -31,148 +44,246 @@ class GRPOConfig(LossConfig):
 
     _mutable = True
 
-    # the loss: LossConfig's fields, with the demo's KL weight
-    beta: float = option(0.005, "weight of the KL penalty to the reference model (0 = no reference model)")
-
-    # what to train, on what
     model: str | None = option(
         None,
         "a Hub name (Qwen/Qwen2.5-0.5B-Instruct) or a local folder, as from_pretrained takes; None = the demo model",
+        topic="model and data",
     )
-    model_revision: str | None = option(None, "the Hub model's branch, tag or commit; None = its default branch")
-    dataset: str | None = option(
-        None, "a Hub dataset name (openai/gsm8k), or a JSONL / CSV / Parquet file or dataset folder; None = the demo"
+    model_revision: str | None = option(
+        None, "the Hub model's branch, tag or commit; None = its default branch", topic="model and data"
     )
     task: str | None = option(
         None,
         "a built-in task, when no dataset is given: arithmetic (the demo), tool_arithmetic (multiplication with "
         "the calculator; its own default max_new_tokens 32); None = arithmetic",
+        topic="model and data",
     )
-    dataset_config: str | None = option(None, "the Hub dataset's configuration (gsm8k: main); also the eval dataset's")
-    dataset_split: str | None = option(None, "the training split of a dataset with splits; None = train")
-    prompt_column: str = option("prompt", "dataset column holding the prompt")
+    dataset: str | None = option(
+        None,
+        "a Hub dataset name (openai/gsm8k), or a JSONL / CSV / Parquet file or dataset folder; None = the demo",
+        topic="model and data",
+    )
+    dataset_config: str | None = option(
+        None, "the Hub dataset's configuration (gsm8k: main); also the eval dataset's", topic="model and data"
+    )
+    dataset_split: str | None = option(
+        None, "the training split of a dataset with splits; None = train", topic="model and data"
+    )
+    prompt_column: str = option("prompt", "dataset column holding the prompt", topic="model and data")
     prompt_template: str | None = option(
         None,
         "instead of prompt_column, the prompt made of the row's columns, e.g. '{text}\\nTests:\\n{test_list}' "
         "(a list column one item per line); None = prompt_column as it is",
+        topic="model and data",
     )
-    answer_column: str | None = option(None, "dataset column holding the reference answer, passed to rewards")
-    system_prompt: str | None = option(None, "system message for chat-template prompts")
-    reward_funcs: list | None = option(None, "reward names in grpo_fast.rewards or module:function; None = task's")
-    reward_weights: list | None = option(None, "one weight per reward function; None = all 1")
-    output_dir: str | None = option(None, "run folder (metrics, checkpoints, final model); None = runs/<time>")
-    seed: int = option(0, "seed of the model init, data order and sampling")
+    answer_column: str | None = option(
+        None, "dataset column holding the reference answer, passed to rewards", topic="model and data"
+    )
+    system_prompt: str | None = option(None, "system message for chat-template prompts", topic="model and data")
+    max_prompt_length: int | None = option(
+        None, "longer prompts keep their last tokens; None = no limit", topic="model and data"
+    )
+    output_dir: str | None = option(
+        None, "run folder (metrics, checkpoints, final model); None = runs/<time>", topic="model and data"
+    )
+    seed: int = option(0, "seed of the model init, data order and sampling", topic="model and data")
 
-    # rollout
-    steps: int = option(300, "training steps (one rollout batch each)")
-    batch_size: int = option(128, "completions per step")
-    group_size: int = option(16, "G, completions per prompt")
-    max_prompt_length: int | None = option(None, "longer prompts keep their last tokens; None = no limit")
+    reward_funcs: list | None = option(
+        None, "reward names in grpo_fast.rewards or module:function; None = task's", topic="rewards"
+    )
+    reward_weights: list | None = option(None, "one weight per reward function; None = all 1", topic="rewards")
+
+    tools: list | None = option(
+        None,
+        "tools the model may call while it answers: built-in names (calculator, python) or module:function; "
+        "None = none",
+        topic="tools",
+    )
+    max_tool_calling_iterations: int | None = option(
+        None,
+        "tools: at most this many tool-answered turns per trajectory; None = as many as max_new_tokens allows",
+        topic="tools",
+    )
+    max_tool_response_tokens: int | None = option(
+        None, "tools: a result longer than this many tokens is cut in the middle (marked); None = no cut", topic="tools"
+    )
+    tool_timeout_s: float = option(
+        10.0, "tools: a call still running after this many seconds answers with an error", topic="tools"
+    )
+
+    steps: int = option(300, "training steps (one rollout batch each)", topic="rollout")
+    batch_size: int = option(128, "completions per step", topic="rollout")
+    group_size: int = option(16, "G, completions per prompt", topic="rollout")
     max_new_tokens: int = option(
         4,
         "completion length limit (also dr_grpo's max_completion_length when unset; max_completion_length given "
         "alone, TRL's name, sets both)",
+        topic="rollout",
     )
-    top_p: float = option(1.0, "nucleus sampling threshold in (0, 1]")
-    top_k: int = option(0, "sample among the k most likely tokens only; 0 = all")
-    generator: str = option("sampler", f"generation engine: {', '.join(ENGINES)}")
-    compile_generation: bool = option(False, "sampler on CUDA: static KV cache, decode step compiled to a CUDA graph")
+    top_p: float = option(1.0, "nucleus sampling threshold in (0, 1]", topic="rollout")
+    top_k: int = option(0, "sample among the k most likely tokens only; 0 = all", topic="rollout")
+    dynamic_sampling: bool = option(
+        False, "DAPO: drop groups whose rewards are all equal, sample more to refill", topic="rollout"
+    )
+    max_sampling_rounds: int = option(
+        3, "dynamic sampling: at most this many generation rounds per step", topic="rollout"
+    )
+    num_iterations: int = option(1, "mu: optimisation passes over each rollout batch", topic="rollout")
+
+    generator: str = option("sampler", f"generation engine: {', '.join(ENGINES)}", topic="generation engine")
+    compile_generation: bool = option(
+        False, "sampler on CUDA: static KV cache, decode step compiled to a CUDA graph", topic="generation engine"
+    )
+    vllm_gpu_memory_utilization: float = option(
+        0.3,
+        "vllm: share of the GPU's memory the engine may take (weights + KV cache), beside the trainer's",
+        topic="generation engine",
+    )
+    vllm_sleep_level: int = option(
+        0,
+        "vllm: 0 = engine stays resident; 1 = offload weights, free KV cache between rollouts; 2 = free both",
+        topic="generation engine",
+    )
+    vllm_enforce_eager: bool = option(
+        True, "vllm: no CUDA graphs (False captures them: faster decode, slower start)", topic="generation engine"
+    )
+    vllm_prefix_cache: bool = option(
+        True, "vllm: reuse a prompt's keys and values across its G samples", topic="generation engine"
+    )
+    vllm_max_model_len: int | None = option(
+        None, "vllm: the engine's context length; None = the model's limit", topic="generation engine"
+    )
+
+    max_staleness: int = option(
+        0,
+        "K >= 1: a worker process samples batches ahead, each at most K optimizer steps old; 0 = synchronous",
+        topic="asynchronous rollouts and off-policy samples",
+    )
+    generation_device: str | None = option(
+        None,
+        "max_staleness >= 1: the worker's device (cpu, cuda:1); None = the trainer's",
+        topic="asynchronous rollouts and off-policy samples",
+    )
     sampling_correction: str | None = option(
         "auto",
         f"samples drawn by other log-probs than the trainer's (the vllm engine, or a max_staleness >= 1 "
         f"worker's older weights): TRL's correction, one of {', '.join(SAMPLING_CORRECTIONS)}; auto = "
         "sequence_mask (TRL's default) for the engine's drift alone, token_truncate for stale batches "
         "(max_staleness >= 1); None = off",
+        topic="asynchronous rollouts and off-policy samples",
     )
-    sampling_correction_min: float | None = option(None, "sampling correction: lower bound of the ratio; None = 0")
-    sampling_correction_max: float | None = option(3.0, "sampling correction: upper bound of the ratio; None = none")
-    vllm_gpu_memory_utilization: float = option(
-        0.3, "vllm: share of the GPU's memory the engine may take (weights + KV cache), beside the trainer's"
-    )
-    vllm_sleep_level: int = option(
-        0, "vllm: 0 = engine stays resident; 1 = offload weights, free KV cache between rollouts; 2 = free both"
-    )
-    vllm_enforce_eager: bool = option(True, "vllm: no CUDA graphs (False captures them: faster decode, slower start)")
-    vllm_prefix_cache: bool = option(True, "vllm: reuse a prompt's keys and values across its G samples")
-    vllm_max_model_len: int | None = option(None, "vllm: the engine's context length; None = the model's limit")
-    dynamic_sampling: bool = option(False, "DAPO: drop groups whose rewards are all equal, sample more to refill")
-    max_sampling_rounds: int = option(3, "dynamic sampling: at most this many generation rounds per step")
-    advantage_scale: str = option("group", "divide advantages by the group's std, the batch's, or none (Dr. GRPO)")
-    num_iterations: int = option(1, "mu: optimisation passes over each rollout batch")
-
-    # tools: multi-turn rollouts (grpo_fast/tools, trainer/tool_turns.py)
-    tools: list | None = option(
+    sampling_correction_min: float | None = option(
         None,
-        "tools the model may call while it answers: built-in names (calculator, python) or module:function; "
-        "None = none",
+        "sampling correction: lower bound of the ratio; None = 0",
+        topic="asynchronous rollouts and off-policy samples",
     )
-    max_tool_calling_iterations: int | None = option(
-        None, "tools: at most this many tool-answered turns per trajectory; None = as many as max_new_tokens allows"
-    )
-    max_tool_response_tokens: int | None = option(
-        None, "tools: a result longer than this many tokens is cut in the middle (marked); None = no cut"
-    )
-    tool_timeout_s: float = option(10.0, "tools: a call still running after this many seconds answers with an error")
-
-    # asynchronous rollouts (trainer/async_rollout.py)
-    max_staleness: int = option(
-        0, "K >= 1: a worker process samples batches ahead, each at most K optimizer steps old; 0 = synchronous"
-    )
-    generation_device: str | None = option(
-        None, "max_staleness >= 1: the worker's device (cpu, cuda:1); None = the trainer's"
+    sampling_correction_max: float | None = option(
+        3.0,
+        "sampling correction: upper bound of the ratio; None = none",
+        topic="asynchronous rollouts and off-policy samples",
     )
 
-    # optimisation
-    learning_rate: float = option(1e-3, "AdamW learning rate")
-    weight_decay: float = option(0.0, "AdamW weight decay")
-    adam_beta1: float = option(0.9, "AdamW beta1")
-    adam_beta2: float = option(0.99, "AdamW beta2")
-    warmup_steps: int = option(5, "linear warmup, in training steps")
-    lr_schedule: str = option("constant", f"after warmup: {', '.join(LR_SCHEDULES)}")
-    max_grad_norm: float | None = option(1.0, "clip the gradient norm to this; None = no clipping")
+    beta: float = option(
+        0.005, "weight of the KL penalty to the reference model (0 = no reference model)", topic="loss"
+    )
+    advantage_scale: str = option(
+        "group", "divide advantages by the group's std, the batch's, or none (Dr. GRPO)", topic="loss"
+    )
+
+    learning_rate: float = option(1e-3, "AdamW learning rate", topic="optimisation")
+    weight_decay: float = option(0.0, "AdamW weight decay", topic="optimisation")
+    adam_beta1: float = option(0.9, "AdamW beta1", topic="optimisation")
+    adam_beta2: float = option(0.99, "AdamW beta2", topic="optimisation")
+    warmup_steps: int = option(5, "linear warmup, in training steps", topic="optimisation")
+    lr_schedule: str = option("constant", f"after warmup: {', '.join(LR_SCHEDULES)}", topic="optimisation")
+    max_grad_norm: float | None = option(
+        1.0, "clip the gradient norm to this; None = no clipping", topic="optimisation"
+    )
     max_tokens_per_micro_batch: int | None = option(
-        None, "token budget (prompt + completion) of one packed forward/backward; None = the whole batch"
+        None,
+        "token budget (prompt + completion) of one packed forward/backward; None = the whole batch",
+        topic="optimisation",
     )
-    micro_batch_size: int | None = option(None, "at most this many sequences per forward/backward; None = no limit")
+    micro_batch_size: int | None = option(
+        None, "at most this many sequences per forward/backward; None = no limit", topic="optimisation"
+    )
 
-    # memory and speed
-    precision: str = option("auto", "auto = bf16 autocast on CUDA, fp32 on CPU; or bf16, fp32")
-    gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
-    fused_linear: bool = option(False, "compute the loss from hidden states and the LM head (fused_linear_grpo_loss)")
+    precision: str = option(
+        "auto", "auto = bf16 autocast on CUDA, fp32 on CPU; or bf16, fp32", topic="memory and speed"
+    )
+    gradient_checkpointing: bool = option(
+        False, "recompute activations in backward to save memory", topic="memory and speed"
+    )
+    fused_linear: bool = option(
+        False, "compute the loss from hidden states and the LM head (fused_linear_grpo_loss)", topic="memory and speed"
+    )
     log_entropy: bool = option(
-        True, "log the policy's mean token entropy (False: on CPU each chunk takes two vocabulary passes, not five)"
+        True,
+        "log the policy's mean token entropy (False: on CPU each chunk takes two vocabulary passes, not five)",
+        topic="memory and speed",
     )
-    lora_r: int = option(0, "> 0 trains a peft LoRA of this rank; the reference is the model with adapters off")
-    lora_alpha: int = option(16, "LoRA alpha")
-    lora_target_modules: list = option(["q_proj", "k_proj", "v_proj", "o_proj"], "modules LoRA adapts")
-    device: str = option("auto", "auto = cuda when available, else cpu (under torchrun: cuda:LOCAL_RANK)")
-    parallel: str = option("ddp", "under torchrun: ddp (each rank a replica) or fsdp (FSDP2: each rank a shard)")
+    lora_r: int = option(
+        0, "> 0 trains a peft LoRA of this rank; the reference is the model with adapters off", topic="memory and speed"
+    )
+    lora_alpha: int = option(16, "LoRA alpha", topic="memory and speed")
+    lora_target_modules: list = option(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], "modules LoRA adapts", topic="memory and speed"
+    )
+
+    device: str = option(
+        "auto", "auto = cuda when available, else cpu (under torchrun: cuda:LOCAL_RANK)", topic="devices"
+    )
+    parallel: str = option(
+        "ddp", "under torchrun: ddp (each rank a replica) or fsdp (FSDP2: each rank a shard)", topic="devices"
+    )
     collective_timeout_s: float = option(
-        1800.0, "under torchrun: a rank waiting this long for the others fails the job"
+        1800.0, "under torchrun: a rank waiting this long for the others fails the job", topic="devices"
     )
 
-    # bookkeeping
-    save_every: int = option(50, "checkpoint every k steps (and at the end); 0 = only at the end")
-    keep_checkpoints: int = option(2, "checkpoints kept on disk")
-    progress: bool = option(True, "show a progress bar")
-    report_to: list | None = option(None, f"experiment trackers, any of: {', '.join(TRACKERS)}; None = none")
+    save_every: int = option(
+        50, "checkpoint every k steps (and at the end); 0 = only at the end", topic="checkpoints, logging and the Hub"
+    )
+    keep_checkpoints: int = option(2, "checkpoints kept on disk", topic="checkpoints, logging and the Hub")
+    progress: bool = option(True, "show a progress bar", topic="checkpoints, logging and the Hub")
+    report_to: list | None = option(
+        None,
+        f"experiment trackers, any of: {', '.join(TRACKERS)}; None = none",
+        topic="checkpoints, logging and the Hub",
+    )
     log_completions_every: int = option(
-        50, "every k steps (and at the end) a sample of rollout rows to completions.jsonl and tracker tables; 0 = off"
+        50,
+        "every k steps (and at the end) a sample of rollout rows to completions.jsonl and tracker tables; 0 = off",
+        topic="checkpoints, logging and the Hub",
     )
-    push_to_hub: bool = option(False, "at the end, upload final/ and its model card (README.md) to hub_model_id")
+    push_to_hub: bool = option(
+        False,
+        "at the end, upload final/ and its model card (README.md) to hub_model_id",
+        topic="checkpoints, logging and the Hub",
+    )
     hub_model_id: str | None = option(
-        None, "push_to_hub's repository, user/name or org/name; None = the output folder's name, under your account"
+        None,
+        "push_to_hub's repository, user/name or org/name; None = the output folder's name, under your account",
+        topic="checkpoints, logging and the Hub",
     )
 
-    # held-out evaluation
-    eval_dataset: str | None = option(None, "held-out prompts, as --dataset; None = the demo's held-out sums")
-    eval_split: str = option("test", "the split of an eval dataset with splits")
-    eval_every: int = option(
-        0, "evaluate every k steps and at the end; 0 = at the end if eval_dataset is given, else never"
+    eval_dataset: str | None = option(
+        None, "held-out prompts, as --dataset; None = the demo's held-out sums", topic="held-out evaluation"
     )
-    eval_samples: int = option(8, "n, completions per eval prompt (pass@1 and pass@n from them)")
-    eval_temperature: float | None = option(None, "sampling temperature of the evaluation; None = temperature")
-    eval_pass_threshold: float = option(1.0, "a sample passes when its combined reward is at least this")
+    eval_split: str = option("test", "the split of an eval dataset with splits", topic="held-out evaluation")
+    eval_every: int = option(
+        0,
+        "evaluate every k steps and at the end; 0 = at the end if eval_dataset is given, else never",
+        topic="held-out evaluation",
+    )
+    eval_samples: int = option(
+        8, "n, completions per eval prompt (pass@1 and pass@n from them)", topic="held-out evaluation"
+    )
+    eval_temperature: float | None = option(
+        None, "sampling temperature of the evaluation; None = temperature", topic="held-out evaluation"
+    )
+    eval_pass_threshold: float = option(
+        1.0, "a sample passes when its combined reward is at least this", topic="held-out evaluation"
+    )
 
     def __post_init__(self):
         """Fields may be edited one by one: validation waits for ``validate()``. A built-in
@@ -186,10 +297,6 @@ class GRPOConfig(LossConfig):
     @property
     def prompts_per_step(self) -> int:
         return self.batch_size // self.group_size
-
-    def bf16(self, device) -> bool:
-        """Whether the forwards on ``device`` (a torch.device) run under bf16 autocast."""
-        return self.precision == "bf16" or (self.precision == "auto" and device.type == "cuda")
 
     def correction_mode(self) -> str | None:
         """``sampling_correction`` with ``auto`` resolved: TRL's sequence_mask corrects an
@@ -441,171 +548,35 @@ def check_device(name: str, value: str) -> None:
         raise ValueError(f"{name}={value!r} does not exist: this machine has {count} CUDA device(s)")
 
 
-# The flags by topic, in the order of `grpo-fast train --help` and of the docs' flag table.
-TOPICS = {
-    "model and data": (
-        "model",
-        "model_revision",
-        "task",
-        "dataset",
-        "dataset_config",
-        "dataset_split",
-        "prompt_column",
-        "prompt_template",
-        "answer_column",
-        "system_prompt",
-        "max_prompt_length",
-        "output_dir",
-        "seed",
-    ),
-    "rewards": ("reward_funcs", "reward_weights"),
-    "tools": ("tools", "max_tool_calling_iterations", "max_tool_response_tokens", "tool_timeout_s"),
-    "rollout": (
-        "steps",
-        "batch_size",
-        "group_size",
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "dynamic_sampling",
-        "max_sampling_rounds",
-        "num_iterations",
-    ),
-    "generation engine": (
-        "generator",
-        "compile_generation",
-        "vllm_gpu_memory_utilization",
-        "vllm_sleep_level",
-        "vllm_enforce_eager",
-        "vllm_prefix_cache",
-        "vllm_max_model_len",
-    ),
-    "asynchronous rollouts and off-policy samples": (
-        "max_staleness",
-        "generation_device",
-        "sampling_correction",
-        "sampling_correction_min",
-        "sampling_correction_max",
-    ),
-    "loss": (
-        "loss_type",
-        "beta",
-        "eps_low",
-        "eps_high",
-        "delta",
-        "dual_clip",
-        "importance_sampling",
-        "kl_estimator",
-        "kl_bias_correction",
-        "advantage_scale",
-        "max_completion_length",
-        "sapo_tau_pos",
-        "sapo_tau_neg",
-    ),
-    "optimisation": (
-        "learning_rate",
-        "weight_decay",
-        "adam_beta1",
-        "adam_beta2",
-        "warmup_steps",
-        "lr_schedule",
-        "max_grad_norm",
-        "max_tokens_per_micro_batch",
-        "micro_batch_size",
-    ),
-    "memory and speed": (
-        "precision",
-        "gradient_checkpointing",
-        "fused_linear",
-        "log_entropy",
-        "lora_r",
-        "lora_alpha",
-        "lora_target_modules",
-    ),
-    "devices": ("device", "parallel", "collective_timeout_s"),
-    "checkpoints, logging and the Hub": (
-        "save_every",
-        "keep_checkpoints",
-        "progress",
-        "report_to",
-        "log_completions_every",
-        "push_to_hub",
-        "hub_model_id",
-    ),
-    "held-out evaluation": (
-        "eval_dataset",
-        "eval_split",
-        "eval_every",
-        "eval_samples",
-        "eval_temperature",
-        "eval_pass_threshold",
-    ),
-}
-
-# TRL's names (GRPOConfig, TrainingArguments and its script arguments) that mean what one of
-# ours does: taken as ours in a YAML file and on the command line (--num_generations 8).
-TRL_ALIASES = {
-    "num_generations": "group_size",
-    "max_steps": "steps",
-    "epsilon": "eps_low",
-    "epsilon_high": "eps_high",
-    "sapo_temperature_pos": "sapo_tau_pos",
-    "sapo_temperature_neg": "sapo_tau_neg",
-    "importance_sampling_level": "importance_sampling",
-    "use_bias_correction_kl": "kl_bias_correction",
-    "scale_rewards": "advantage_scale",
-    "lr_scheduler_type": "lr_schedule",
-    "save_steps": "save_every",
-    "save_total_limit": "keep_checkpoints",
-    "eval_steps": "eval_every",
-    "vllm_max_model_length": "vllm_max_model_len",
-    "vllm_importance_sampling_mode": "sampling_correction",
-    "vllm_importance_sampling_clip_min": "sampling_correction_min",
-    "vllm_importance_sampling_clip_max": "sampling_correction_max",
-    "model_name_or_path": "model",
-    "dataset_name": "dataset",
-    "dataset_train_split": "dataset_split",
-    "dataset_test_split": "eval_split",
-}
-
-# TRL's names with no setting of the same meaning here, and what to use instead.
-TRL_INSTEAD = {
-    "per_device_train_batch_size": "batch_size, the completions of one step over every rank (TRL's "
-    "per_device_train_batch_size x processes x gradient_accumulation_steps)",
-    "gradient_accumulation_steps": "max_tokens_per_micro_batch or micro_batch_size: a step is one optimizer "
-    "update over batch_size completions, accumulated over micro-batches that fit in memory",
-    "generation_batch_size": "batch_size: each step samples batch_size completions",
-    "steps_per_generation": "num_iterations, the optimisation passes over each rollout batch",
-    "num_train_epochs": "steps",
-    "use_vllm": "generator vllm",
-    "vllm_mode": "generator vllm (the engine in the trainer's process, TRL's colocate mode) or max_staleness "
-    ">= 1 (a worker samples ahead of the trainer, on generation_device)",
-    "vllm_enable_sleep_mode": "vllm_sleep_level",
-    "vllm_importance_sampling_correction": "sampling_correction (None turns it off)",
-    "bf16": "precision bf16",
-    "fp16": "precision bf16 (fp16 is not supported) or fp32",
-    "logging_steps": "nothing: every step is logged (log_completions_every for completions)",
-    "log_completions": "log_completions_every",
-    "per_device_eval_batch_size": "eval_samples, the completions per eval prompt",
-}
+def help_topics(config_class=None) -> dict:
+    """``{topic: [field names]}`` of ``config_class`` (default :class:`GRPOConfig`): every field
+    under the topic it declares (``option(..., topic=...)``), the topics in :data:`TOPICS`'
+    order, the fields in the class's. A field without a topic, or with one not in TOPICS, is a
+    ValueError that names it."""
+    out = {topic: [] for topic in TOPICS}
+    for f in dataclasses.fields(config_class or GRPOConfig):
+        topic = f.metadata.get("topic")
+        if topic not in out:
+            raise ValueError(f"config field {f.name!r} declares help topic {topic!r}; the topics are {TOPICS}")
+        out[topic].append(f.name)
+    return {topic: names for topic, names in out.items() if names}
 
 
-def from_trl_names(values: dict) -> dict:
-    """``values`` with TRL's names of our settings renamed to ours (:data:`TRL_ALIASES`); a TRL
-    name we have no setting for is a ValueError that says which of ours to use. TRL's
-    ``max_completion_length`` limits generation and is dr_grpo's normaliser: given without
-    ``max_new_tokens`` it sets both, as in TRL."""
-    out = {}
-    for key, value in values.items():
-        if key in TRL_INSTEAD:
-            raise ValueError(f"{key!r} is TRL's and has no equivalent here: use {TRL_INSTEAD[key]}")
-        name = TRL_ALIASES.get(key, key)
-        if name in out or (name != key and name in values):
-            raise ValueError(f"{key!r} is TRL's name of {name!r}: give one of the two, not both")
-        if key == "scale_rewards" and isinstance(value, bool):  # TRL's older boolean form
-            value = "group" if value else "none"
-        out[name] = value
-    if out.get("max_completion_length") is not None and "max_new_tokens" not in out:
-        out["max_new_tokens"] = out["max_completion_length"]
-    return out
+class TrackerUnavailable(ImportError):
+    """A tracker named in ``report_to`` whose library is not installed."""
+
+
+def check_trackers(names) -> None:
+    """ValueError for an unknown name (listing the valid ones), :class:`TrackerUnavailable`
+    (naming the pip extra) for one whose library is not installed. Imports nothing."""
+    if names is None:
+        return
+    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"report_to must be a list of tracker names, got {names!r}")
+    for name in names:
+        if name not in TRACKERS:
+            raise ValueError(f"report_to: unknown tracker {name!r}; valid trackers are {list(TRACKERS)}")
+        if importlib.util.find_spec(TRACKERS[name]) is None:
+            raise TrackerUnavailable(
+                f'report_to={name!r} needs the {TRACKERS[name]!r} package: pip install "grpo-fast[{name}]"'
+            )

@@ -34,8 +34,6 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from grpo_fast.trainer.config import PARALLEL
-
 
 def launched_by_torchrun() -> bool:
     """Whether torchrun (or another launcher with its environment) started this process."""
@@ -188,8 +186,6 @@ def wrap(module: torch.nn.Module, parallel: str, runtime, *, trainable: bool = T
     FSDP2, sharded in place, one unit per decoder layer (the model's ``_no_split_modules``)
     and the rest in the root unit, its weights gathered in the runtime's 16-bit dtype (if
     any) and its gradients reduced in float32."""
-    if parallel not in PARALLEL:
-        raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
     device = runtime.device
     if not dist.is_initialized():
         return module
@@ -211,8 +207,8 @@ def wrap(module: torch.nn.Module, parallel: str, runtime, *, trainable: bool = T
     # which puts the shards of a CPU run on a GPU host on cuda:0.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     precision = MixedPrecisionPolicy()
-    if runtime.half_weights is not None:
-        precision = MixedPrecisionPolicy(param_dtype=runtime.half_weights, reduce_dtype=torch.float32)
+    if runtime.bf16:
+        precision = MixedPrecisionPolicy(param_dtype=runtime.dtype, reduce_dtype=torch.float32)
     blocks = {name for m in module.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
     for layer in module.modules():
         if type(layer).__name__ in blocks:

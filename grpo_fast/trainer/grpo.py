@@ -1,35 +1,31 @@
-"""GRPOTrainer: the lean GRPO loop, its step told in stages (``train_step``):
+"""GRPOTrainer: the lean GRPO loop, its step told in stages (``run_step``), each in its side's folder:
 
-    samples  <- the rollout source: G samples per prompt with rewards [N, K]     sources.py
-    batch    <- prepare: group advantages, reference log-probs, micro-batches    step.py
+    samples  <- the rollout source: G samples per prompt with rewards [N, K]     rollout/
+    batch    <- prepare: group advantages, reference log-probs, micro-batches    update/batch.py
     for each of num_iterations passes:
-        backward over the micro-batches (the first one's log-probs: proximal)    step.py
-        clip, AdamW step, LR schedule; publish the weights to the source         optimization.py
-    log line: one host read                                                      metrics.py
+        backward over the micro-batches (the first one's log-probs: proximal)    update/passes.py
+        clip, AdamW step, LR schedule; publish the weights to the source         update/optimization.py
+    log line: one host read                                                      update/metrics.py
 
-The run around it (trackers, evaluation, completions, checkpoints, plot) is ``loop.py``; the
-models it trains are built by ``model.py``; the data order is ``data.py``. The PPO baseline
-(``ppo.py``) extends the step through the hooks :meth:`~GRPOTrainer.prepare`,
-:meth:`~GRPOTrainer.accumulate_gradients`, :meth:`~GRPOTrainer.optimizer_step`,
-:meth:`~GRPOTrainer.extra_metrics` and :meth:`~GRPOTrainer.trained_parts`.
+The run around it (trackers, evaluation, completions, checkpoints, plot) is ``run/``; the models
+it trains are built by ``model/build.py``. The PPO baseline (``ppo.py``) extends the step through
+the hooks :meth:`~GRPOTrainer.prepare`, :meth:`~GRPOTrainer.accumulate_gradients`,
+:meth:`~GRPOTrainer.optimizer_step`, :meth:`~GRPOTrainer.extra_metrics` and
+:meth:`~GRPOTrainer.trained_parts`, and its batch's ``loss_advantages``.
 
 Choices: the loss's options are one :class:`grpo_fast.LossConfig` built once from the config;
 its temperature is the sampling temperature (the log-probs are those of the distribution that
-sampled). The forwards run at the precision of the run's
-:class:`~grpo_fast.trainer.runtime.Runtime` (16-bit autocast on CUDA by default) while weights
-and optimizer state stay float32.
+sampled). The forwards run at the precision the run's :class:`~grpo_fast.trainer.runtime.Runtime`
+decided (bf16 on CUDA by default) while weights and optimizer state stay float32.
 
-Many devices (``distributed.py``; ``torchrun ... -m grpo_fast train``): each rank samples
-and scores its contiguous share of every step's prompts, whole groups, from the one seeded
-data order; the group advantages are computed from every rank's rewards (all-gathered), the
-loss normalisers and micro-batch weights from global row and token counts, and every logged
-statistic of the batch is reduced over ranks (timings are rank 0's), so a step's gradient and
-its log line do not depend on the world size. Only rank 0 writes the metrics, plot, progress
-bar and final model; every rank writes its shards of a checkpoint.
+Many devices (``distributed.py``; ``torchrun ... -m grpo_fast train``): each rank samples and
+scores its contiguous share of every step's prompts, whole groups, from the one seeded data
+order; advantages, loss normalisers, micro-batch weights and every logged statistic come from
+every rank's rows, so a step's gradient and its log line do not depend on the world size. Only
+rank 0 writes the metrics, plot, progress bar and final model; every rank its checkpoint shards.
 """
 
 import os
-import shutil
 import time
 from typing import NamedTuple
 
@@ -38,27 +34,27 @@ from transformers import set_seed
 
 from grpo_fast.tasks import load_rows, resolve_rewards
 from grpo_fast.tools import ToolTemplate, resolve_tools
-from grpo_fast.trainer import checkpoint as ckpt
-from grpo_fast.trainer import distributed, evaluation, hub, loop, run_log, step
-from grpo_fast.trainer.async_rollout import AsyncRollouts
+from grpo_fast.trainer import distributed
 from grpo_fast.trainer.config import GRPOConfig
-from grpo_fast.trainer.data import DataOrder
-from grpo_fast.trainer.generators import make_generator
-from grpo_fast.trainer.metrics import log_line
-from grpo_fast.trainer.model import (
+from grpo_fast.trainer.model.build import (
     check_model_source,
     load_model_and_tokenizer,
     make_reference,
     prepare_policy,
     wrap_modules,
 )
-from grpo_fast.trainer.optimization import adamw, clipped_step, load_schedule_state, lr_scheduler, schedule_state
-from grpo_fast.trainer.packing import pack_micro_batches
-from grpo_fast.trainer.rollout import Samples
+from grpo_fast.trainer.rollout.data import DataOrder
+from grpo_fast.trainer.rollout.engines import EngineSettings, make_generator
+from grpo_fast.trainer.rollout.samples import Samples
+from grpo_fast.trainer.rollout.sources import InProcessRollouts
+from grpo_fast.trainer.rollout.tool_turns import ToolLoop
+from grpo_fast.trainer.rollout.worker import AsyncRollouts
+from grpo_fast.trainer.run import checkpoint, evaluation, hub, loop, run_log
 from grpo_fast.trainer.runtime import Runtime
-from grpo_fast.trainer.sources import InProcessRollouts
-from grpo_fast.trainer.step import PassResult, Proximal, StepBatch
-from grpo_fast.trainer.tool_turns import ToolLoop
+from grpo_fast.trainer.update.batch import StepBatch, batch_fields
+from grpo_fast.trainer.update.metrics import PhaseClock, log_line
+from grpo_fast.trainer.update.optimization import adamw, clipped_step, lr_scheduler
+from grpo_fast.trainer.update.passes import PassResult, Proximal, accumulate, corrects
 
 
 class StepResult(NamedTuple):
@@ -75,15 +71,16 @@ class GRPOTrainer:
     Hugging Face engine draws from torch's). A ``model`` passed in is trained in place, not
     copied: it is moved to the device and put in train mode, wrapped by peft with LoRA
     adapters (lora_r > 0) and, with gradient checkpointing, gets ``config.use_cache = False``.
-    The caller's tokenizer, thread counts and plotting backend are left as they were. Under torchrun it
-    joins the job's process group (``distributed.setup``) and wraps the policy in DDP or
-    FSDP2 (``config.parallel``).
+    The caller's tokenizer, thread counts and plotting backend are left as they were. Under
+    torchrun it joins the job's process group (``distributed.setup``) and wraps the policy in DDP
+    or FSDP2 (``config.parallel``).
 
     Args:
         config: the run (see :class:`GRPOConfig`).
         model, tokenizer: an already loaded policy and tokenizer (default: from ``config``).
         rows: prompt rows ``{"prompt": str, ...}`` (default: from ``config``).
         reward_funcs: callables or names (default: ``config.reward_funcs``, else the task's).
+        tools: callables or names the model may call (default: ``config.tools``).
     """
 
     def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None, rows=None, reward_funcs=None, tools=None):
@@ -96,10 +93,10 @@ class GRPOTrainer:
             check_model_source(config)
         # what the model card says of the model and prompts: named by the config, or passed in
         self.card_options = dict(model_given=model is not None, rows_given=rows is not None)
-        self.config = config
-        self.loss_config = config.loss_config()
+        self.config, self.loss_config = config, config.loss_config()
         set_seed(config.seed)
         self.runtime = runtime = Runtime.start(config)
+        runtime.log(config.precision)
         ranks = runtime.ranks
         if config.prompts_per_step % ranks.world_size:
             raise ValueError(
@@ -142,8 +139,7 @@ class GRPOTrainer:
         self.optimizer = adamw([p for p in self.policy.parameters() if p.requires_grad], config)
         self.optimizer.zero_grad(set_to_none=True)  # a model handed over with gradients (a warm start's)
         self.scheduler = lr_scheduler(self.optimizer, config)
-        self.step = 0
-        self.data_position = 0
+        self.step = self.data_position = 0
         self.output_dir = ranks.broadcast(config.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
         self.history: list = []
         if ranks.rank:  # the model is built alike everywhere; the Hugging Face engine must not draw alike
@@ -176,28 +172,14 @@ class GRPOTrainer:
     def _make_source(self):
         """Where the samples come from: a worker process sampling ahead (max_staleness >= 1,
         started on the first batch; see :meth:`close`), or the engine in this process."""
-        config = self.config
+        config, runtime = self.config, self.runtime
         if config.max_staleness:
             return AsyncRollouts(
-                config,
-                self.runtime,
-                self.policy,
-                self.reference,
-                self.tokenizer,
-                self.reward_funcs,
-                self.data,
-                self.tools,
+                config, runtime, self.policy, self.reference, self.tokenizer, self.reward_funcs, self.data, self.tools
             )
-        engine = make_generator(config.generator, self.policy, self.tokenizer, config, self.runtime)
+        engine = make_generator(config.generator, self.policy, self.tokenizer, EngineSettings.of(config), runtime)
         return InProcessRollouts(
-            engine,
-            self.data,
-            self.reward_funcs,
-            config,
-            self.runtime,
-            self.modules.packed,
-            self.tokenizer,
-            self.tool_loop,
+            engine, self.data, self.reward_funcs, config, runtime, self.modules.packed, self.tokenizer, self.tool_loop
         )
 
     @property
@@ -213,15 +195,18 @@ class GRPOTrainer:
     def run_step(self) -> StepResult:
         """samples -> batch -> num_iterations x (backward passes -> optimizer step -> publish)
         -> log line. A step whose samples hold no group on any rank (dynamic sampling) makes no
-        update. The passes read nothing to the host; the log line reads everything once."""
+        update. The passes read nothing to the host; the log line reads everything once, the
+        seconds of each stage (``time/*_s``) with it."""
         if self.runtime.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.runtime.device)
-        start = time.perf_counter()
+        clock = PhaseClock(self.runtime.device)
         # 1. samples: G completions per prompt and their rewards, from the rollout source
         samples = self.source.next(self.data_position, self.version)
         self.data_position = samples.data_end
+        clock.mark("rollout")
         # 2. the step's batch, built once: advantages, reference log-probs, micro-batches
         batch = self.prepare(samples)
+        clock.mark("prepare")
         # 3. the passes: backward over the micro-batches, optimizer step, the new weights to
         #    the source. The first runs at the weights the step starts with: its log-probs are
         #    the proximal policy's, which the later passes and the sampling correction read.
@@ -231,13 +216,14 @@ class GRPOTrainer:
             proximal = proximal or Proximal.of(result, batch, self.config.correction_options(), self.runtime.ranks)
             passes.append(dict(result.metrics, **self.optimizer_step()))
             self.source.publish(self.policy, self.version + len(passes))
+        clock.mark("update")
         self.step += 1
         # 4. the log line: everything the device holds, read once
         metrics = log_line(
             self.step,
             batch,
             passes,
-            start,
+            clock,
             self.runtime,
             learning_rate=self.scheduler.get_last_lr()[0],
             extra=dict(self.source.metrics(), **(self.extra_metrics(batch) if passes else {})),
@@ -248,42 +234,21 @@ class GRPOTrainer:
         return StepResult(metrics, batch)
 
     def prepare(self, samples: Samples) -> StepBatch:
-        """The step's batch, built once (see :meth:`batch_fields`)."""
+        """The step's batch, built once (``update/batch.py``)."""
         return StepBatch(**self.batch_fields(samples))
 
     def batch_fields(self, samples: Samples) -> dict:
-        """The fields of the step's :class:`StepBatch`: the samples' micro-batches packed (the
-        token budget), the reference's log-probs (beta != 0), the group advantages from every
-        rank's rewards (a subclass's ``prepare`` may change them before it builds its batch)."""
-        config, ranks, modules = self.config, self.runtime.ranks, self.modules
-        C = samples.completion_mask.shape[1]
-        micro = pack_micro_batches(
-            samples.input_ids, samples.attention_mask, C, config.max_tokens_per_micro_batch, config.micro_batch_size
-        )
-        ref = None
-        if modules.reference is not None and ranks.sum(samples.input_ids.shape[0]):
-            ref = step.reference_logprobs(
-                modules.reference, self.policy, self.reference, samples, micro, ranks, modules.filler
-            )
-        scores, stats = step.scores_and_advantages(samples, config, ranks, self.runtime.device)
-        return dict(
-            samples=samples,
-            micro_batches=micro,
-            completion_mask=samples.completion_mask,
-            scores=scores,
-            stats=stats,
-            advantages=None if stats is None else stats.advantages,
-            ref_logprobs=ref,
-            num_items=ranks.sum(samples.completion_mask.sum()),  # active tokens of the whole batch
-        )
+        """The fields of the step's :class:`StepBatch` (a subclass's ``prepare`` may change them
+        before it builds its batch)."""
+        return batch_fields(samples, self.config, self.modules, self.policy, self.reference, self.runtime)
 
     def accumulate_gradients(self, batch: StepBatch, proximal: Proximal | None) -> PassResult:
-        """One pass's backward over the batch (``step.accumulate``); the first (``proximal``
+        """One pass's backward over the batch (``passes.accumulate``); the first (``proximal``
         None) records its log-probs where a later pass or the sampling correction needs them."""
         record = proximal is None and (
-            self.config.num_iterations > 1 or step.corrects(batch.samples, self.config.correction_options())
+            self.config.num_iterations > 1 or corrects(batch.samples, self.config.correction_options())
         )
-        return step.accumulate(self.modules, self.policy, batch, proximal, self.config, self.runtime.ranks, record)
+        return accumulate(self.modules, self.policy, batch, proximal, self.config, self.runtime.ranks, record)
 
     def optimizer_step(self) -> dict:
         """Clips the gradient norm, steps the optimizer and the schedule, clears the gradients.
@@ -301,41 +266,17 @@ class GRPOTrainer:
         return {}
 
     def save_checkpoint(self) -> str:
-        """Writes the step's checkpoint (every rank its shards; ``checkpoint.py``)."""
-        parts = self.trained_parts()
-        state = dict(
-            step=self.step,
-            data_position=self.data_position,
-            scheduler=schedule_state(self.scheduler),
-            config=self.config.to_dict(),
-            **{f"{name}_scheduler": schedule_state(scheduler) for name, (_, _, scheduler) in parts.items()},
-        )
-        more = {name: part[:2] for name, part in parts.items()}
-        return ckpt.save_checkpoint(
-            self.output_dir,
-            state,
-            self.policy,
-            self.optimizer,
-            self.runtime.ranks,
-            keep=self.config.keep_checkpoints,
-            more=more,
-        )
+        """Writes the step's checkpoint (every rank its shards; ``run/checkpoint.py``)."""
+        return checkpoint.save_trainer(self)
 
     def resume(self, path: str | None = None) -> int:
         """Restores the newest checkpoint of the output dir (or ``path``), written at any world
         size; returns its step. The source learns of the restored weights' version."""
         ranks = self.runtime.ranks
-        path = ranks.broadcast(path or ckpt.latest_checkpoint(self.output_dir))
+        path = ranks.broadcast(path or checkpoint.latest_checkpoint(self.output_dir))
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(self.output_dir, 'checkpoints')!r}")
-        parts = self.trained_parts()
-        state = ckpt.load_checkpoint(
-            path, self.policy, self.optimizer, ranks, more={name: part[:2] for name, part in parts.items()}
-        )
-        load_schedule_state(self.scheduler, state["scheduler"])
-        for name, (_, _, scheduler) in parts.items():
-            load_schedule_state(scheduler, state[f"{name}_scheduler"])
-        self.step, self.data_position = state["step"], state["data_position"]
+        checkpoint.load_trainer(self, path)
         self.source.publish(self.policy, self.version)
         if ranks.is_main:
             run_log.truncate_metrics(self.output_dir, self.step)
@@ -344,30 +285,17 @@ class GRPOTrainer:
         return self.step
 
     def save_model(self) -> str:
-        """``save_pretrained`` of the policy and tokenizer to ``<output_dir>/final`` (via a temp
-        dir) with its model card (README.md, ``hub.py``), by rank 0; under FSDP2 the whole
-        weights are first gathered to its CPU."""
-        final = os.path.join(self.output_dir, "final")
-        weights = ckpt.full_model_state(self.policy) if distributed.is_sharded(self.modules.packed) else None
-        if self.runtime.ranks.is_main:
-            tmp = final + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.policy.save_pretrained(tmp, state_dict=weights)
-            self.tokenizer.save_pretrained(tmp)
-            hub.write_card(tmp, self.config, self.history, reward_names=self.reward_names, **self.card_options)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        self.runtime.ranks.barrier()
-        return final
+        """The policy and tokenizer, with the model card, in ``<output_dir>/final``."""
+        return checkpoint.save_final(self)
 
     # ---------------------------------------------------------------- the run
     def evaluate(self) -> dict:
-        """The eval metrics of the policy now (``evaluation.py``; every rank its share)."""
+        """The eval metrics of the policy now (``run/evaluation.py``; every rank its share)."""
         with distributed.gathered(self.modules.packed):
             return self.evaluator(self.version)
 
     def train(self) -> list:
-        """Runs the remaining steps; returns the metrics of every step of the run (``loop.py``:
+        """Runs the remaining steps; returns the metrics of every step of the run (``run/loop.py``:
         rank 0 writes the config, metrics, completions, progress bar and plot, and reports to
         the trackers; every eval_every steps the metrics line gains the eval metrics)."""
         return loop.run(self)

@@ -36,11 +36,12 @@ import torch
 from grpo_fast.spec import option
 from grpo_fast.trainer import distributed
 from grpo_fast.trainer.config import GRPOConfig
-from grpo_fast.trainer.generators import position_ids
 from grpo_fast.trainer.grpo import GRPOTrainer
-from grpo_fast.trainer.optimization import adamw, clipped_step, lr_scheduler
-from grpo_fast.trainer.rollout import Samples
-from grpo_fast.trainer.step import PassResult, StepBatch
+from grpo_fast.trainer.rollout.engines import position_ids
+from grpo_fast.trainer.rollout.samples import Samples
+from grpo_fast.trainer.update.batch import StepBatch
+from grpo_fast.trainer.update.optimization import adamw, clipped_step, lr_scheduler
+from grpo_fast.trainer.update.passes import PassResult
 
 
 @dataclass
@@ -132,6 +133,11 @@ class PPOBatch(StepBatch):
 
     old_values: torch.Tensor | None = None  # [N, C]
     returns: torch.Tensor | None = None  # [N, C]
+
+    def loss_advantages(self, packed) -> torch.Tensor:
+        """GAE's per-token advantages [N, C] gathered to the micro-batch's flat tokens [Nc]."""
+        row, col = packed.grid
+        return self.advantages[packed.rows][row, col]
 
 
 class ValueModel(torch.nn.Module):

@@ -1,25 +1,59 @@
 """Where and how a run computes: its device, its place in the job, the precision of its forwards.
 
 One :class:`Runtime` is built when a trainer starts (:meth:`Runtime.start`) and handed to
-everything that runs the model: the packed passes, the engines, the evaluation, the rollout
-worker (which builds its own for the device it samples on). Weights, gradients and optimizer
-states stay float32; under bf16 the matmuls of every forward (generation, the training and
-reference passes, the PPO critic) run in bf16 through ``torch.autocast``.
+everything that runs the model: the packed passes (training, reference, old log-probs), the
+engines (sampler, hf, vllm), the evaluation, the PPO critic, the rollout worker (which builds
+its own for the device it samples on). Weights, gradients and optimizer states stay float32.
+
+What ``--precision`` means is decided here, once per device (:func:`decide_precision`), and
+every forward reads that decision:
+
+    precision   on CUDA                              on CPU
+    auto        bf16                                 fp32
+    bf16        bf16                                 bf16
+    fp32        fp32                                 fp32
+
+bf16 is ``torch.autocast(device, bfloat16)`` around every forward of ours and of Hugging Face
+``generate`` (the matmuls in bf16, reductions and the loss in float32), FSDP2's weights
+gathered in bfloat16, and the vLLM engine loaded with ``dtype=bfloat16``; fp32 runs all of them
+in float32. A CUDA device without bf16 refuses ``--precision bf16`` by name, and ``auto`` falls
+back to fp32 there with a logged line. The decision is logged once per process
+(:meth:`Runtime.log`).
 """
 
 import contextlib
 import dataclasses
+import logging
 
 import torch
 
 from grpo_fast.trainer import distributed
+from grpo_fast.trainer.choices import PRECISIONS
 from grpo_fast.trainer.distributed import Ranks
+
+logger = logging.getLogger("grpo_fast")
+
+
+def decide_precision(precision: str, device: torch.device) -> bool:
+    """Whether ``--precision`` ``precision`` runs the forwards on ``device`` in bf16 (see the
+    table above): ValueError for a name not in ``choices.PRECISIONS``, or for bf16 on a CUDA
+    device that has none."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp32":
+        return False
+    bf16_device = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    if precision == "bf16" and not bf16_device:
+        raise ValueError(f"precision='bf16': {torch.cuda.get_device_name(device)} has no bf16; use fp32 or auto")
+    if precision == "auto" and device.type == "cuda" and not bf16_device:
+        logger.info("precision auto: %s has no bf16, the forwards run in fp32", torch.cuda.get_device_name(device))
+    return bf16_device and (precision == "bf16" or device.type == "cuda")
 
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """device: where the model runs; ranks: this process's place in the job (default: a
-    single process); bf16: the forwards run under bf16 autocast (CUDA only)."""
+    single process); bf16: every forward runs in bf16 (:func:`decide_precision`)."""
 
     device: torch.device
     ranks: Ranks | None = None
@@ -32,15 +66,16 @@ class Runtime:
     @classmethod
     def start(cls, config) -> "Runtime":
         """The run's runtime: ``config.device`` resolved, torchrun's job joined (see
-        ``distributed.setup``), the precision ``config.precision`` gives on that device."""
+        ``distributed.setup``), ``config.precision`` decided on that device."""
         device = distributed.resolve_device(config.device)
-        return cls(device, distributed.setup(device, config.collective_timeout_s), config.bf16(device))
+        bf16 = decide_precision(config.precision, device)
+        return cls(device, distributed.setup(device, config.collective_timeout_s), bf16)
 
-    @classmethod
-    def local(cls, config, device) -> "Runtime":
-        """A single process's runtime on ``device`` at the precision ``config`` gives there."""
+    def on(self, device, precision: str) -> "Runtime":
+        """This process's runtime moved to ``device`` (a rollout worker's), ``precision`` decided
+        there."""
         device = torch.device(device)
-        return cls(device, Ranks(device), config.bf16(device))
+        return dataclasses.replace(self, device=device, bf16=decide_precision(precision, device))
 
     @classmethod
     def of(cls, model) -> "Runtime":
@@ -48,20 +83,33 @@ class Runtime:
         model's device."""
         return cls(next(model.parameters()).device)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the forwards compute in: what autocast casts to, what FSDP2 gathers weights
+        in, what the vLLM engine loads."""
+        return torch.bfloat16 if self.bf16 else torch.float32
+
     def autocast(self):
-        """bf16 autocast on CUDA when asked; a no-op context otherwise."""
-        if self.bf16 and self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        """The forwards' precision: bf16 autocast on this device, or a no-op context (fp32)."""
+        if self.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    @property
-    def half_weights(self) -> torch.dtype | None:
-        """The dtype FSDP2 gathers weights in for the forwards (bf16 on CUDA), or None (as stored)."""
-        return torch.bfloat16 if self.bf16 and self.device.type == "cuda" else None
+    def log(self, precision: str, role: str = "trainer") -> None:
+        """One line (logger ``grpo_fast``, rank 0) saying what ``precision`` became here."""
+        if self.ranks.is_main:
+            logger.info(
+                "%s on %s: --precision %s -> %s for every forward (training, reference, old log-probs, sampler, "
+                "hf, vllm)",
+                role,
+                self.device,
+                precision,
+                "bf16" if self.bf16 else "fp32",
+            )
 
     def flash_attention(self) -> bool:
-        """Whether a model here can attend with ``flash_attention_2``: CUDA, 16-bit activations
-        (bf16 autocast) and the flash-attn package installed."""
+        """Whether a model here can attend with ``flash_attention_2``: CUDA, bf16 forwards and
+        the flash-attn package installed."""
         from transformers.utils import is_flash_attn_2_available
 
-        return self.half_weights is not None and is_flash_attn_2_available()
+        return self.device.type == "cuda" and self.bf16 and is_flash_attn_2_available()

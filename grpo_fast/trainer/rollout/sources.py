@@ -11,7 +11,7 @@ new weights after each optimizer step:
 Two sources exist: :class:`InProcessRollouts` samples in the trainer's process when asked
 (the synchronous loop), and ``AsyncRollouts`` (``async_rollout.py``) samples in a worker
 process ahead of the trainer (``max_staleness`` >= 1). Either returns the same kind of
-:class:`~grpo_fast.trainer.rollout.Samples`, so the step never asks which one it has.
+:class:`~grpo_fast.trainer.rollout.samples.Samples`, so the step never asks which one it has.
 """
 
 import contextlib
@@ -19,7 +19,7 @@ import contextlib
 import torch
 
 from grpo_fast.trainer import distributed
-from grpo_fast.trainer.rollout import Samples, concat_samples, groups_with_signal, rollout, select_groups
+from grpo_fast.trainer.rollout.samples import Samples, concat_samples, groups_with_signal, rollout, select_groups
 
 
 class RolloutSource:
@@ -50,15 +50,15 @@ class InProcessRollouts(RolloutSource):
     surplus groups of the last round are left out. The batch may then hold fewer groups, or none.
 
     Args:
-        engine: the :class:`~grpo_fast.trainer.generators.Generator`.
-        data: the run's :class:`~grpo_fast.trainer.data.DataOrder`.
+        engine: the :class:`~grpo_fast.trainer.rollout.engines.Generator`.
+        data: the run's :class:`~grpo_fast.trainer.rollout.data.DataOrder`.
         reward_funcs: the reward functions.
         config: the run's config (group_size, dynamic_sampling, max_sampling_rounds, reward_weights).
         runtime: the run's runtime (its ranks).
         policy_module: the module an FSDP2 policy is gathered from for an engine that runs
             the policy itself.
         tokenizer: its pad token re-pads rounds to one width.
-        tool_loop: with tools, the :class:`~grpo_fast.trainer.tool_turns.ToolLoop` of the
+        tool_loop: with tools, the :class:`~grpo_fast.trainer.rollout.tool_turns.ToolLoop` of the
             rollouts' turns; None without.
     """
 

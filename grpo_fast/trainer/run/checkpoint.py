@@ -25,6 +25,10 @@ import warnings
 import numpy as np
 import torch
 
+from grpo_fast.trainer import distributed
+from grpo_fast.trainer.run import hub
+from grpo_fast.trainer.update.optimization import load_schedule_state, schedule_state
+
 _NAME = re.compile(r"step-(\d+)")
 TRAINER_STATE = "trainer.pt"
 REQUIRED_KEYS = ("step", "data_position", "scheduler", "config")
@@ -206,3 +210,52 @@ def full_model_state(model) -> dict:
         if first != name and name in weights:
             weights[name] = weights[first]
     return weights
+
+
+# ----------------------------------------------------------------------------- a trainer's
+def save_trainer(trainer) -> str:
+    """Writes ``trainer``'s checkpoint of its step: the policy and its optimizer, every other
+    trained part (``trainer.trained_parts()``: the PPO critic) under its name, the step, the
+    data position, the LR schedules and the config (every rank its shards)."""
+    parts = trainer.trained_parts()
+    state = dict(
+        step=trainer.step,
+        data_position=trainer.data_position,
+        scheduler=schedule_state(trainer.scheduler),
+        config=trainer.config.to_dict(),
+        **{f"{name}_scheduler": schedule_state(scheduler) for name, (_, _, scheduler) in parts.items()},
+    )
+    more = {name: part[:2] for name, part in parts.items()}
+    ranks, keep = trainer.runtime.ranks, trainer.config.keep_checkpoints
+    return save_checkpoint(trainer.output_dir, state, trainer.policy, trainer.optimizer, ranks, keep=keep, more=more)
+
+
+def load_trainer(trainer, path: str) -> dict:
+    """Restores what :func:`save_trainer` wrote into ``trainer`` (weights, optimizers, LR
+    schedules, RNG states, step and data position); returns the checkpoint's state."""
+    parts = trainer.trained_parts()
+    more = {name: part[:2] for name, part in parts.items()}
+    state = load_checkpoint(path, trainer.policy, trainer.optimizer, trainer.runtime.ranks, more=more)
+    load_schedule_state(trainer.scheduler, state["scheduler"])
+    for name, (_, _, scheduler) in parts.items():
+        load_schedule_state(scheduler, state[f"{name}_scheduler"])
+    trainer.step, trainer.data_position = state["step"], state["data_position"]
+    return state
+
+
+def save_final(trainer) -> str:
+    """``save_pretrained`` of ``trainer``'s policy and tokenizer to ``<output_dir>/final`` (via
+    a temp dir) with its model card (README.md, ``hub.py``), by rank 0; under FSDP2 the whole
+    weights are first gathered to its CPU. Returns the folder."""
+    final = os.path.join(trainer.output_dir, "final")
+    weights = full_model_state(trainer.policy) if distributed.is_sharded(trainer.modules.packed) else None
+    if trainer.runtime.ranks.is_main:
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        trainer.policy.save_pretrained(tmp, state_dict=weights)
+        trainer.tokenizer.save_pretrained(tmp)
+        hub.write_card(tmp, trainer.config, trainer.history, reward_names=trainer.reward_names, **trainer.card_options)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    trainer.runtime.ranks.barrier()
+    return final

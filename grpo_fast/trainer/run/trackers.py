@@ -15,35 +15,15 @@ transformers' ``report_to`` callbacks rename keys (``train/...``) and read a Tra
 so they are not used here. Only rank 0 opens trackers (``GRPOTrainer.train``).
 """
 
-import importlib.util
 import json
 import math
 import os
 import time
 from pathlib import Path
 
+from grpo_fast.trainer.config import check_trackers
+
 PROJECT = "grpo-fast"  # the wandb / MLflow experiment / trackio project a run goes to
-
-
-class TrackerUnavailable(ImportError):
-    """A tracker named in ``report_to`` whose library is not installed."""
-
-
-def check_trackers(names) -> None:
-    """ValueError for an unknown name (listing the valid ones), :class:`TrackerUnavailable`
-    (naming the pip extra) for one whose library is not installed. Imports nothing."""
-    if names is None:
-        return
-    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
-        raise ValueError(f"report_to must be a list of tracker names, got {names!r}")
-    for name in names:
-        if name not in TRACKERS:
-            raise ValueError(f"report_to: unknown tracker {name!r}; valid trackers are {list(TRACKERS)}")
-        module = ADAPTERS[name].module
-        if importlib.util.find_spec(module) is None:
-            raise TrackerUnavailable(
-                f'report_to={name!r} needs the {module!r} package: pip install "grpo-fast[{name}]"'
-            )
 
 
 def scalars(metrics: dict) -> dict:
@@ -110,8 +90,6 @@ class Trackers(Tracker):
 class TensorBoardTracker(Tracker):
     """Scalars in ``<run>/tensorboard``; the config as the run's hparams (no tables)."""
 
-    module = "tensorboard"  # what it needs installed; the pip extra of the tracker's name installs it
-
     def __init__(self, output_dir: str, config: dict):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
@@ -130,8 +108,6 @@ class TensorBoardTracker(Tracker):
 
 class WandbTracker(Tracker):
     """A wandb run in ``<run>/wandb``, offline unless WANDB_MODE says otherwise."""
-
-    module = "wandb"
 
     def __init__(self, output_dir: str, config: dict):
         import wandb
@@ -161,8 +137,6 @@ class MLflowTracker(Tracker):
     (artifacts in ``<run>/mlartifacts``), or of MLFLOW_TRACKING_URI; the config as its params,
     tables as JSON artifacts. MLflow allows no ``@`` in a metric name: ``eval/pass@1`` is
     logged as ``eval/pass_at_1``, the one key a tracker renames."""
-
-    module = "mlflow"
 
     def __init__(self, output_dir: str, config: dict):
         from mlflow.entities import Param
@@ -204,8 +178,6 @@ class MLflowTracker(Tracker):
 class TrackioTracker(Tracker):
     """A trackio run in project ``grpo-fast`` of trackio's local store."""
 
-    module = "trackio"
-
     def __init__(self, output_dir: str, config: dict):
         import trackio
 
@@ -227,13 +199,13 @@ class TrackioTracker(Tracker):
         self.trackio.finish()
 
 
+# one adapter per name of choices.TRACKERS
 ADAPTERS = {
     "tensorboard": TensorBoardTracker,
     "wandb": WandbTracker,
     "mlflow": MLflowTracker,
     "trackio": TrackioTracker,
 }
-TRACKERS = tuple(ADAPTERS)
 
 
 def open_trackers(names, output_dir: str, config: dict) -> Tracker:

@@ -64,13 +64,14 @@ import torch
 import transformers
 
 from grpo_fast.tools import ToolTemplate
-from grpo_fast.trainer.generators import make_generator
-from grpo_fast.trainer.packed_policy import PackedPolicy
-from grpo_fast.trainer.packing import pack_micro_batches
-from grpo_fast.trainer.rollout import Samples, reference_context, rollout
+from grpo_fast.trainer.model.build import reference_context
+from grpo_fast.trainer.model.packed_policy import PackedPolicy
+from grpo_fast.trainer.model.packing import pack_micro_batches
+from grpo_fast.trainer.rollout.engines import EngineSettings, make_generator
+from grpo_fast.trainer.rollout.samples import Samples, rollout
+from grpo_fast.trainer.rollout.sources import RolloutSource
+from grpo_fast.trainer.rollout.tool_turns import ToolLoop
 from grpo_fast.trainer.runtime import Runtime
-from grpo_fast.trainer.sources import RolloutSource
-from grpo_fast.trainer.tool_turns import ToolLoop
 
 POLL_S = 0.05  # how often a waiting side checks that the other is still alive
 
@@ -119,6 +120,7 @@ class WorkerSetup:
     reward_funcs: list
     tools: list  # the resolved Tools (functions pickle by reference); [] without tools
     device: str
+    bf16: bool  # the precision decided for the worker's device (Runtime.on)
     threads: int  # torch threads on CPU
     rank: int
     weights: WeightSlots
@@ -142,7 +144,7 @@ class AsyncRollouts(RolloutSource):
         policy, reference: the trainer's policy and reference model (None: beta = 0), copied
             to the worker when it starts.
         tokenizer, reward_funcs: the run's.
-        data: the run's :class:`~grpo_fast.trainer.data.DataOrder`.
+        data: the run's :class:`~grpo_fast.trainer.rollout.data.DataOrder`.
         tools: the run's resolved tools ([] without): the worker runs the tool loop.
     """
 
@@ -167,6 +169,8 @@ class AsyncRollouts(RolloutSource):
         if device.type == "cpu" and runtime.device.type == "cpu":
             torch.set_num_threads(max(1, self.saved_threads - threads))
         separate = self.reference is not None and self.reference is not self.policy
+        worker_runtime = runtime.on(device, config.precision)  # the trainer's ranks: rank 0 logs it
+        worker_runtime.log(config.precision, "rollout worker")
         setup = WorkerSetup(
             config=config,
             model=copy.deepcopy(self.policy).to("cpu"),
@@ -176,6 +180,7 @@ class AsyncRollouts(RolloutSource):
             reward_funcs=self.reward_funcs,
             tools=self.tools,
             device=str(device),
+            bf16=worker_runtime.bf16,
             threads=threads,
             rank=runtime.ranks.rank,
             weights=self.weights,
@@ -302,11 +307,13 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         transformers.set_seed(config.seed + setup.rank)  # the Hugging Face engine draws from torch's generator
-        runtime = Runtime.local(config, self.device)
+        runtime = Runtime(self.device, bf16=setup.bf16)
         self.model = setup.model.to(self.device)
         self.params = dict(self.model.named_parameters())
         self.loaded = -1
-        self.generator = make_generator(config.generator, self.model, setup.tokenizer, config, runtime)
+        self.generator = make_generator(
+            config.generator, self.model, setup.tokenizer, EngineSettings.of(config), runtime
+        )
         self.tool_loop = ToolLoop(ToolTemplate(setup.tokenizer, setup.tools), config) if setup.tools else None
         self.packed = PackedPolicy(self.model, config.loss_config(), runtime)
         self.reference, self.reference_packed = None, None

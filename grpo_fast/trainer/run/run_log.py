@@ -32,6 +32,11 @@ TIMING_KEYS = (
     "peak_mem_bytes",
     "sync_time_s",
     "tools/seconds",
+    # the step's stages: sampling and scoring, the batch (packing, advantages, reference pass),
+    # the backward passes and optimizer steps (update/metrics.py's PhaseClock)
+    "time/rollout_s",
+    "time/prepare_s",
+    "time/update_s",
     # asynchronous rollouts' waits and copies
     "rollout_wait_s",
     "worker_rollout_s",

@@ -1,6 +1,7 @@
 """Model building: the policy and tokenizer, LoRA, the frozen reference, and the modules every
 packed pass runs, wrapped for the job (DDP or FSDP2 under torchrun; see ``distributed.py``)."""
 
+import contextlib
 import copy
 import dataclasses
 import warnings
@@ -10,8 +11,8 @@ import torch
 from grpo_fast.spec import LossConfig
 from grpo_fast.tasks.datasets import is_local_path
 from grpo_fast.trainer import distributed
-from grpo_fast.trainer.packed_policy import PackedPolicy, filler
-from grpo_fast.trainer.packing import Packed
+from grpo_fast.trainer.model.packed_policy import PackedPolicy, filler
+from grpo_fast.trainer.model.packing import Packed
 
 
 def check_model_source(config) -> None:
@@ -101,6 +102,14 @@ def make_reference(policy, beta: float):
     reference = copy.deepcopy(policy).eval()
     reference.requires_grad_(False)
     return reference
+
+
+def reference_context(policy, reference):
+    """The context in which ``reference`` computes reference log-probs: a peft policy used as
+    its own reference runs with its adapters disabled (no second copy of the weights)."""
+    if reference is policy:
+        return policy.disable_adapter()
+    return contextlib.nullcontext()
 
 
 @dataclasses.dataclass

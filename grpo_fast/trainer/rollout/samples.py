@@ -6,7 +6,7 @@ dynamic sampling keeps only the groups that carry a signal (:func:`groups_with_s
 :func:`select_groups`, :func:`concat_samples`). What the trainer makes of samples (advantages,
 reference log-probs, packed micro-batches) is the step's batch (``step.py``).
 
-Sequence layout, N = num_prompts * G rows (see :class:`~grpo_fast.trainer.generators.Generation`):
+Sequence layout, N = num_prompts * G rows (see :class:`~grpo_fast.trainer.rollout.engines.Generation`):
 
     input_ids      [N, P + C]   left-padded prompt, then the completion (right-padded after EOS)
     attention_mask [N, P + C]   1 on real prompt tokens and on completion tokens up to EOS
@@ -17,7 +17,6 @@ model's turns and the tools' results between them, all under the attention mask,
 out of the completion mask; ``completions`` are then message lists (TRL's shape).
 """
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -100,44 +99,6 @@ def _first_failing_sample(func: Callable, prompts: list, completions: list, colu
     return None
 
 
-def sampling_metrics(proximal, behaviour, mask, ratio, sequence_level: bool, ranks) -> dict:
-    """TRL's ``sampling/*`` metrics of a sampling correction over every rank's rows, as 0-dim
-    float64 tensors on the rows' device (read with the step's other metrics): the mean and
-    largest |proximal - behaviour| over completion tokens (NaN left out), and the smallest, mean
-    and largest bounded ratio [N, T] over tokens, or [N, 1] over sequences (0 when none)."""
-    active = mask.bool()
-    diff = (proximal - behaviour).abs()
-    valid = active & ~diff.isnan()
-    counted = torch.ones_like(ratio, dtype=torch.bool) if sequence_level else active
-
-    def total(x, keep):
-        return x.where(keep, 0.0).sum().double()
-
-    def largest(x, keep):  # -inf where nothing is kept (a rank without rows)
-        return torch.cat([x.where(keep, -math.inf).flatten(), x.new_full((1,), -math.inf)]).max().double()
-
-    sums = ranks.sum(
-        torch.stack([total(diff, valid), valid.sum().double(), total(ratio, counted), counted.sum().double()])
-    )
-    highs = ranks.max(torch.stack([largest(diff, valid), largest(ratio, counted), largest(-ratio, counted)]))
-    any_diff, any_ratio = sums[1] > 0, sums[3] > 0
-    return {
-        "sampling/sampling_logp_difference/mean": sums[0] / sums[1].clamp(min=1),
-        "sampling/sampling_logp_difference/max": torch.where(any_diff, highs[0], 0.0),
-        "sampling/importance_sampling_ratio/min": torch.where(any_ratio, -highs[2], 0.0),
-        "sampling/importance_sampling_ratio/mean": sums[2] / sums[3].clamp(min=1),
-        "sampling/importance_sampling_ratio/max": torch.where(any_ratio, highs[1], 0.0),
-    }
-
-
-def reference_context(policy, reference):
-    """The context in which ``reference`` computes reference log-probs: a peft policy used as
-    its own reference runs with its adapters disabled (no second copy of the weights)."""
-    if reference is policy:
-        return policy.disable_adapter()
-    return contextlib.nullcontext()
-
-
 def groups_with_signal(rewards: torch.Tensor, group_size: int, reward_weights=None) -> torch.Tensor:
     """[num_groups] bool: the groups whose advantages are not all 0, i.e. whose scored
     rewards [N, K] are not all equal (DAPO's dynamic sampling keeps these)."""
@@ -209,7 +170,7 @@ def rollout(
     knows which groups it keeps.
 
     Args:
-        generator: a generation engine (``grpo_fast.trainer.generators``).
+        generator: a generation engine (``grpo_fast.trainer.rollout.engines``).
         rows: dataset rows, each with a "prompt" str and optional answer/test columns.
         keys: [len(rows)] int, the rows' positions in the run's data order.
         reward_funcs: ``f(prompts, completions, **columns) -> list[float | None]``.

@@ -23,8 +23,8 @@ import math
 import torch
 
 from grpo_fast import group_advantages
-from grpo_fast.trainer.generators import make_generator
-from grpo_fast.trainer.rollout import RewardError, rollout, score
+from grpo_fast.trainer.rollout.engines import EngineSettings, make_generator
+from grpo_fast.trainer.rollout.samples import RewardError, rollout, score
 from grpo_fast.trainer.runtime import Runtime
 
 
@@ -109,7 +109,7 @@ class Evaluator:
         reward_funcs, reward_names: the run's reward functions and their names.
         runtime: the device, the job's ranks and the precision (default: one process at
             float32 on the model's device).
-        tool_loop: with tools, the rollouts' :class:`~grpo_fast.trainer.tool_turns.ToolLoop`.
+        tool_loop: with tools, the rollouts' :class:`~grpo_fast.trainer.rollout.tool_turns.ToolLoop`.
     """
 
     model: torch.nn.Module
@@ -128,9 +128,8 @@ class Evaluator:
         check_reward_columns(self.rows, self.reward_funcs)
         self.runtime = self.runtime or Runtime.of(self.model)
         temperature = config.temperature if config.eval_temperature is None else config.eval_temperature
-        # the engine reads its sampling knobs from the config: the eval's temperature in a copy
-        sampling = dataclasses.replace(config, temperature=temperature)
-        self.generator = make_generator(config.generator, self.model, self.tokenizer, sampling, self.runtime)
+        settings = EngineSettings.of(config, temperature=temperature)
+        self.generator = make_generator(config.generator, self.model, self.tokenizer, settings, self.runtime)
 
     def __call__(self, version: int = 0) -> dict:
         """The eval metrics of the model with its weights at ``version`` (optimizer steps; an
@@ -174,13 +173,14 @@ def evaluate_model(config) -> dict:
 
     from grpo_fast.tasks import resolve_rewards
     from grpo_fast.tools import ToolTemplate, resolve_tools
-    from grpo_fast.trainer.model import check_model_source, load_model_and_tokenizer
-    from grpo_fast.trainer.tool_turns import ToolLoop
+    from grpo_fast.trainer.model.build import check_model_source, load_model_and_tokenizer
+    from grpo_fast.trainer.rollout.tool_turns import ToolLoop
 
     tools = resolve_tools(config.tools)
     check_model_source(config)
     transformers.set_seed(config.seed)
     runtime = Runtime.start(config)
+    runtime.log(config.precision, "eval")
     model, tokenizer = load_model_and_tokenizer(config, runtime.flash_attention())
     loop = ToolLoop(ToolTemplate(tokenizer, tools), config) if tools else None
     funcs, names = resolve_rewards(config.reward_funcs, config.dataset, config.task)

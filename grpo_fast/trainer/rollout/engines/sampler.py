@@ -21,7 +21,7 @@ import inspect
 
 import torch
 
-from grpo_fast.trainer.generators import (
+from grpo_fast.trainer.rollout.engines import (
     Generation,
     Generator,
     Turns,
@@ -31,7 +31,7 @@ from grpo_fast.trainer.generators import (
     evaluating,
     position_ids,
 )
-from grpo_fast.trainer.generators.sampling import sample_streams, sample_tokens, stream_uniforms
+from grpo_fast.trainer.rollout.engines.sampling import sample_streams, sample_tokens, stream_uniforms
 
 # With compile_generation, prompt widths are rounded up to a multiple of this, so that
 # batches of slightly different prompt lengths reuse one cache and one compiled graph.
@@ -50,29 +50,29 @@ class Sampler(Generator):
 
     Args:
         model, tokenizer: the policy and its tokenizer (a pad token is required).
-        config: the run's :class:`~grpo_fast.trainer.GRPOConfig`: seed, temperature, top_k,
-            top_p, max_new_tokens, max_prompt_length, compile_generation.
+        settings: the :class:`EngineSettings`: seed, temperature, top_k, top_p, max_new_tokens,
+            max_prompt_length, compile_generation.
         runtime: where it decodes and at which precision (default: float32).
         static_cache: decode on a preallocated ``StaticCache`` (no per-step copy of the cache;
-            what CUDA graphs need); default: ``config.compile_generation``. Runs eagerly on
+            what CUDA graphs need); default: ``settings.compile_generation``. Runs eagerly on
             any device, where finished rows still leave the batch.
     """
 
-    def __init__(self, model, tokenizer, config, runtime=None, *, static_cache: bool | None = None):
-        super().__init__(model, tokenizer, config, runtime)
+    def __init__(self, model, tokenizer, settings, runtime=None, *, static_cache: bool | None = None):
+        super().__init__(model, tokenizer, settings, runtime)
         self.device = next(model.parameters()).device
-        if config.compile_generation and self.device.type != "cuda":
+        if settings.compile_generation and self.device.type != "cuda":
             raise ValueError(
                 f"compile_generation needs a CUDA device (a static cache replayed as a CUDA graph); "
                 f"the policy is on {self.device.type}"
             )
-        self.static_cache = config.compile_generation if static_cache is None else static_cache
+        self.static_cache = settings.compile_generation if static_cache is None else static_cache
         self.cache_argument = _cache_argument(model)
         self._compiled, self._cache, self._cache_shape = None, None, None
 
     def _forward(self, **inputs):
         """The model's forward for one decode step; with compile_generation, the compiled one."""
-        if self.config.compile_generation:
+        if self.settings.compile_generation:
             if self._compiled is None:
                 self._compiled = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
             return self._compiled(**inputs)
@@ -83,7 +83,7 @@ class Sampler(Generator):
         is reset and reused while its shape holds: a CUDA graph replays on fixed addresses."""
         from transformers import StaticCache
 
-        if not self.config.compile_generation or self._cache_shape != (rows, max_length):
+        if not self.settings.compile_generation or self._cache_shape != (rows, max_length):
             self._cache = StaticCache(config=self.model.config, max_cache_len=max_length)
             self._cache_shape = (rows, max_length)
             return self._cache
@@ -118,7 +118,7 @@ class Sampler(Generator):
     @torch.no_grad()
     def generate(self, prompts: list, group_size: int, keys: list, turns: Turns | None = None) -> Generation:
         """``group_size`` completions of each prompt; sample g of prompt i is a function of
-        (config.seed, keys[i], g) and the weights alone. Returns the rollout layout of
+        (settings.seed, keys[i], g) and the weights alone. Returns the rollout layout of
         :class:`Generation`, with the sampler's log-probs.
 
         With ``turns`` (a multi-turn rollout: tool calls) a row whose turn ends (EOS or one of
@@ -126,7 +126,7 @@ class Sampler(Generator):
         each waiting row the tokens to append (tool results and the next turn's opening), which
         one forward writes into the KV cache, and decoding goes on from there: nothing earlier
         is prefilled again. A waiting row rides along in the batch on a masked slot."""
-        config, device = self.config, self.device
+        settings, device = self.settings, self.device
         if len(keys) != len(prompts):
             raise ValueError(f"keys must give one key per prompt ({len(prompts)}), got {len(keys)}")
         if self.tokenizer.pad_token_id is None:
@@ -135,15 +135,15 @@ class Sampler(Generator):
             raise ValueError(
                 "a multi-turn rollout (tools) needs the dynamic cache: its turns take more slots than P + T"
             )
-        G, T = group_size, config.max_new_tokens
-        multiple = STATIC_PROMPT_MULTIPLE if self.config.compile_generation else None
+        G, T = group_size, settings.max_new_tokens
+        multiple = STATIC_PROMPT_MULTIPLE if self.settings.compile_generation else None
         prompt_ids, prompt_mask = (
-            x.to(device) for x in encode_prompts(self.tokenizer, prompts, config.max_prompt_length, multiple)
+            x.to(device) for x in encode_prompts(self.tokenizer, prompts, settings.max_prompt_length, multiple)
         )
         N, P = len(prompts) * G, prompt_ids.shape[1]
         pad, ends_turn = self.tokenizer.pad_token_id, self._turn_ends(turns)
         key_tensor = torch.as_tensor(keys, dtype=torch.long, device=device).repeat_interleave(G)
-        streams = sample_streams(config.seed, key_tensor, torch.arange(G, device=device).repeat(len(prompts)))
+        streams = sample_streams(settings.seed, key_tensor, torch.arange(G, device=device).repeat(len(prompts)))
         # Row r's k-th completion token (sampled or a tool's) sits at position start[r] + k; it
         # is drawn with the uniform of (stream, k). A row's cache slots: P, then one per forward.
         start = prompt_mask.sum(1).repeat_interleave(G)
@@ -162,9 +162,9 @@ class Sampler(Generator):
                 token, logp = sample_tokens(
                     logits,
                     stream_uniforms(streams, length),
-                    temperature=config.temperature,
-                    top_k=config.top_k,
-                    top_p=config.top_p,
+                    temperature=settings.temperature,
+                    top_k=settings.top_k,
+                    top_p=settings.top_p,
                 )
                 going = ~waiting
                 at = (rows[going], length[going])
@@ -175,7 +175,7 @@ class Sampler(Generator):
                 n_live = int((~done).sum())  # one host sync a step
                 if n_live == 0:
                     break
-                if not self.config.compile_generation and n_live < len(done):  # finished rows leave the batch
+                if not self.settings.compile_generation and n_live < len(done):  # finished rows leave the batch
                     keep = (~done).nonzero().squeeze(1)
                     cache.reorder_cache(keep)
                     rows, streams, start, length, mask, token, waiting, going = (

@@ -50,6 +50,36 @@ def _tool_metrics(counts, rows: int, ranks) -> dict:
     }
 
 
+class PhaseClock:
+    """The seconds of a step's stages, read with its log line and never before: on CPU the host
+    clock at each :meth:`mark`, on CUDA an event recorded on the stream there (no wait), so a
+    stage's kernels count for it even though the host runs ahead; the log line's one host read
+    is after the last mark, so every event has happened by :meth:`seconds`."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.start = time.perf_counter()
+        self.marks = [("start", self._now())]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, stage: str) -> None:
+        """The stage ``stage`` ends here (it began at the previous mark)."""
+        self.marks.append((stage, self._now()))
+
+    def seconds(self) -> dict:
+        """``{"time/<stage>_s": seconds}`` of each marked stage."""
+        out = {}
+        for (_, begin), (stage, end) in zip(self.marks, self.marks[1:]):
+            out[f"time/{stage}_s"] = begin.elapsed_time(end) / 1e3 if self.cuda else end - begin
+        return out
+
+
 def peak_memory(device: torch.device) -> int:
     """Peak bytes: CUDA allocator peak of this step, or the process's peak resident set on CPU."""
     if device.type == "cuda":
@@ -61,7 +91,7 @@ def log_line(
     step: int,
     batch,
     passes: list,
-    start: float,
+    clock: PhaseClock,
     runtime,
     *,
     learning_rate: float,
@@ -74,10 +104,11 @@ def log_line(
     metric over the num_iterations passes (None when the step made no update), throughput and
     memory, the learning rate, ``extra``, TRL's ``sampling/*`` metrics of the correction, the
     dynamic sampling counts and the per-reward means. Everything the device holds is read to
-    the host at once; the step's time (from ``start``) ends there.
+    the host at once; the step's time (from ``clock.start``) ends there, and the stages'
+    seconds (``time/rollout_s``, ``time/prepare_s``, ``time/update_s``) are read from ``clock``.
 
     Args:
-        batch: the step's :class:`~grpo_fast.trainer.step.StepBatch`.
+        batch: the step's :class:`~grpo_fast.trainer.update.batch.StepBatch`.
         passes: each pass's metrics (device tensors).
         extra: the source's and the trainer's own metrics (staleness, waits, the critic's).
         sampling: the sampling correction's metrics (device tensors), or {}.
@@ -100,7 +131,7 @@ def log_line(
         **_tool_metrics(batch.samples.tool_counts, len(table), ranks),
     )
     *passes, stats = read_metrics([*passes, stats], ranks, runtime.device)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - clock.start
     metrics = dict(
         step=step,
         reward_mean=stats["reward_mean"] if stats["scored"] else None,
@@ -116,6 +147,7 @@ def log_line(
         step_time_s=elapsed,
         peak_mem_bytes=ranks.max(peak_memory(runtime.device)),
         learning_rate=learning_rate,
+        **clock.seconds(),
         **extra,
         **{key: stats[key] for key in sampling},
     )

@@ -5,7 +5,7 @@ and the push to the Hub."""
 import os
 import time
 
-from grpo_fast.trainer import hub, run_log, trackers
+from grpo_fast.trainer.run import hub, run_log, trackers
 
 
 def run(trainer) -> list:

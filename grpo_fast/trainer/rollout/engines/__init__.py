@@ -1,10 +1,10 @@
 """Generation engines: how a rollout samples its completions.
 
-An engine is a subclass of :class:`Generator` built as ``Engine(model, tokenizer, config,
-runtime)`` (the policy, its tokenizer, the run's :class:`~grpo_fast.trainer.GRPOConfig` with
-the sampling knobs, the :class:`~grpo_fast.trainer.runtime.Runtime` it samples in) whose
-``generate(prompts, group_size, keys)`` returns a :class:`Generation`. Adding an engine is one
-module in this folder and one row of :data:`ENGINES`; ``--generator NAME`` picks it.
+An engine is a subclass of :class:`Generator` built as ``Engine(model, tokenizer, settings,
+runtime)`` (the policy, its tokenizer, the :class:`EngineSettings` it samples with, the
+:class:`~grpo_fast.trainer.runtime.Runtime` it samples in) whose ``generate(prompts,
+group_size, keys)`` returns a :class:`Generation`. Adding an engine is one module in this
+folder and one row of :data:`grpo_fast.trainer.choices.ENGINES`; ``--generator NAME`` picks it.
 :class:`Generator` declares what else an engine may say or do, with defaults: whether its
 log-probs drift from the trainer's, whether it samples with the policy itself, how it learns
 of new weights (``publish``), its share of the log line.
@@ -13,22 +13,52 @@ of new weights (``publish``), its share of the log line.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-from grpo_fast._lazy import LazyModule
+import torch
 
-if TYPE_CHECKING:
-    import torch
-else:  # the config names the engines before torch loads
-    torch = LazyModule("torch", globals())
+from grpo_fast.trainer.choices import ENGINES
+from grpo_fast.trainer.runtime import Runtime
 
-# name -> "module:Class", imported only when picked (an engine may need an optional package).
-ENGINES = {
-    "hf": "grpo_fast.trainer.generators.hf:HFGenerator",
-    "sampler": "grpo_fast.trainer.generators.sampler:Sampler",
-    "vllm": "grpo_fast.trainer.generators.vllm:VLLMGenerator",
-}
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """What an engine samples with: the run config's fields of the same names
+    (:meth:`of`), and nothing else of the run.
+
+    seed: a sample is a function of (seed, prompt key, sample index) and the weights.
+    temperature, top_p, top_k: the sampling distribution (top_k 0 = all tokens).
+    max_new_tokens: the completion's limit, tool tokens included.
+    max_prompt_length: longer prompts keep their last tokens; None = no limit.
+    batch_size: the rows of one rollout (vLLM's CPU KV cache is sized for it).
+    compile_generation: our sampler's static cache and CUDA graph.
+    model, model_revision: the folder or Hub name vLLM starts from (None: the policy, saved).
+    vllm_*: the vLLM engine's options (see :class:`~grpo_fast.trainer.GRPOConfig`).
+    """
+
+    seed: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    max_prompt_length: int | None
+    batch_size: int
+    compile_generation: bool
+    model: str | None
+    model_revision: str | None
+    vllm_gpu_memory_utilization: float
+    vllm_sleep_level: int
+    vllm_enforce_eager: bool
+    vllm_prefix_cache: bool
+    vllm_max_model_len: int | None
+
+    @classmethod
+    def of(cls, config, **changes) -> EngineSettings:
+        """The settings in ``config`` (a :class:`~grpo_fast.trainer.GRPOConfig`), with ``changes``
+        (the evaluation's temperature)."""
+        return cls(**{**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}, **changes})
 
 
 class Generation(NamedTuple):
@@ -79,17 +109,19 @@ class Generator:
     drifts = False
     runs_policy = True
 
-    def __init__(self, model, tokenizer, config, runtime=None):
-        from grpo_fast.trainer.runtime import Runtime
-
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+    def __init__(self, model, tokenizer, settings: EngineSettings, runtime: Runtime | None = None):
+        if not isinstance(settings, EngineSettings):
+            raise TypeError(
+                f"settings must be an EngineSettings (EngineSettings.of(config)), got {type(settings).__name__}"
+            )
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.runtime = runtime or Runtime.of(model)
 
     def generate(self, prompts: list, group_size: int, keys: list, turns: Turns | None = None) -> Generation:
         """Samples ``group_size`` completions of each prompt. ``keys`` [num_prompts] int
         identify the prompts within the run (their data positions), so that an engine can
         make a sample a function of (seed, key, sample index) alone. ``turns``: a multi-turn
-        rollout's tool loop (an engine of ``config.TURN_ENGINES`` runs it)."""
+        rollout's tool loop (an engine of ``choices.TURN_ENGINES`` runs it)."""
         raise NotImplementedError
 
     def publish(self, version: int) -> None:
@@ -102,13 +134,13 @@ class Generator:
         return {}
 
 
-def make_generator(name: str, model, tokenizer, config, runtime=None) -> Generator:
-    """The engine ``name`` (a key of :data:`ENGINES`) for ``model``, sampling in ``runtime``
-    (default: a single process at float32 on the model's device)."""
+def make_generator(name: str, model, tokenizer, settings: EngineSettings, runtime: Runtime | None = None):
+    """The engine ``name`` (a key of ``choices.ENGINES``) for ``model``, sampling with
+    ``settings`` in ``runtime`` (default: a single process at float32 on the model's device)."""
     if name not in ENGINES:
         raise ValueError(f"generator must be one of {tuple(ENGINES)}, got {name!r}")
     module, cls = ENGINES[name].split(":")
-    return getattr(importlib.import_module(module), cls)(model, tokenizer, config, runtime)
+    return getattr(importlib.import_module(module), cls)(model, tokenizer, settings, runtime)
 
 
 @contextlib.contextmanager

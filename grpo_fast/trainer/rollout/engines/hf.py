@@ -6,7 +6,7 @@ keeps its KV cache across turns instead)."""
 
 import torch
 
-from grpo_fast.trainer.generators import (
+from grpo_fast.trainer.rollout.engines import (
     Generation,
     Generator,
     Turns,
@@ -24,27 +24,27 @@ class HFGenerator(Generator):
 
     @torch.no_grad()
     def generate(self, prompts: list, group_size: int, keys: list | None = None, turns: Turns | None = None):
-        model, tokenizer, config = self.model, self.tokenizer, self.config
+        model, tokenizer, settings = self.model, self.tokenizer, self.settings
         device = next(model.parameters()).device
         ids, mask = (
             x.repeat_interleave(group_size, dim=0).to(device)
-            for x in encode_prompts(tokenizer, prompts, config.max_prompt_length)
+            for x in encode_prompts(tokenizer, prompts, settings.max_prompt_length)
         )
         if turns is not None:
             return self._generate_turns(ids, mask, turns)
-        sequences = self._sample(ids, mask, config.max_new_tokens, [tokenizer.eos_token_id])
+        sequences = self._sample(ids, mask, settings.max_new_tokens, [tokenizer.eos_token_id])
         return assemble(tokenizer, ids, mask, sequences[:, ids.shape[1] :])
 
     def _sample(self, ids, mask, max_new_tokens: int, stop_ids: list) -> torch.Tensor:
         """``model.generate`` of the left-padded rows ``ids`` [n, L], stopping at ``stop_ids``."""
         from transformers import GenerationConfig
 
-        config, tokenizer = self.config, self.tokenizer
+        settings, tokenizer = self.settings, self.tokenizer
         gen_config = GenerationConfig(
             do_sample=True,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            top_k=config.top_k,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
             max_new_tokens=max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=stop_ids if len(stop_ids) > 1 else stop_ids[0],
@@ -64,7 +64,7 @@ class HFGenerator(Generator):
             new = out[:, enc["input_ids"].shape[1] :].tolist()
             return [(_until_stop(tokens[:room], stop_ids), None) for tokens, room in zip(new, rooms)]
 
-        return continue_turns(sample, tokenizer, ids, mask, turns, self.config.max_new_tokens)
+        return continue_turns(sample, tokenizer, ids, mask, turns, self.settings.max_new_tokens)
 
 
 def _until_stop(tokens: list, stop_ids: list) -> list:

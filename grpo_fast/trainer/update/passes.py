@@ -1,8 +1,5 @@
-"""One training step's stages, each a function of values:
+"""A training pass, and what the step's first pass leaves for the others:
 
-    samples  = source.next(position, version)       Samples   (sources.py, async_rollout.py)
-    batch    = prepare(samples)                      StepBatch: rewards -> advantages, reference
-                                                     log-probs, packed micro-batches; built once
     result   = accumulate(batch, proximal)           PassResult: the backward over every
                                                      micro-batch, its summed metrics and, on the
                                                      first pass, its log-probs and correction
@@ -16,57 +13,25 @@ the first pass applies the loss spec's ``sampling_correction`` of them against i
 micro-batch by micro-batch (``PackedPolicy``), which the later passes keep. No extra forward
 computes either, where TRL runs one.
 
-Every forward runs on packed sequences (``packing.py``: no padding computed, the LM head only
-at completion positions), in micro-batches cut once by a token budget, weighted by the loss
-spec so that the accumulated gradient equals the full-batch gradient for every loss type.
-Under torchrun the group advantages are computed from every rank's rewards, the loss
-normalisers and micro-batch weights from global row and token counts (see ``distributed.py``).
+Every forward runs on packed sequences (``trainer/model/packing.py``: no padding computed, the
+LM head only at completion positions), weighted by the loss spec so that the accumulated
+gradient equals the full-batch gradient for every loss type. Under torchrun the loss
+normalisers and micro-batch weights come from global row and token counts.
 """
 
 import dataclasses
+import math
 
 import torch
 
-from grpo_fast import group_advantages
 from grpo_fast.ops.policy import LossInputs
-from grpo_fast.outputs import GroupAdvantages
 from grpo_fast.spec import SAMPLING_CORRECTIONS
 from grpo_fast.trainer import distributed
-from grpo_fast.trainer.metrics import PASS_METRICS
-from grpo_fast.trainer.packed_policy import Behaviour
-from grpo_fast.trainer.packing import packed_attention, to_grid
-from grpo_fast.trainer.rollout import Samples, reference_context, sampling_metrics
-
-
-@dataclasses.dataclass
-class StepBatch:
-    """What every training pass of a step reads, built once from its :class:`Samples`.
-
-    samples: the samples (tokens, masks, completions, rewards, sampling log-probs).
-    micro_batches: this rank's rows packed (``packing.Packed`` each), cut once.
-    completion_mask: [N, C] the tokens the loss counts: the model's sampled tokens, 0 on
-        padding and on tool-result tokens (a multi-turn completion's tools' output, which the
-        attention mask keeps as context: packing reads that); the PPO baseline leaves unscored
-        completions out. Every count of the loss (its normalisers, per-sequence means, KL,
-        entropy, the sampling correction) and the logged completion length read it.
-    scores: [N_global, 2 + K] every rank's [combined reward, completion length, each reward]
-        rows, gathered once (the log line's); the combined reward is NaN where unscored.
-    stats: this rank's rows' :class:`GroupAdvantages` (advantages [N], combined rewards [N],
-        its groups' mean and std, the batch's frac_zero_std); None when no rank has a row
-        (dynamic sampling kept none): the step makes no update.
-    advantages: [N] per sequence (GRPO), or [N, C] per token (PPO); None as ``stats``.
-    ref_logprobs: [N, C] the reference's log-probs of the completions, or None (beta = 0).
-    num_items: the active-token count of every rank's rows (a 0-dim tensor).
-    """
-
-    samples: Samples
-    micro_batches: list
-    completion_mask: torch.Tensor
-    scores: torch.Tensor
-    stats: GroupAdvantages | None
-    advantages: torch.Tensor | None
-    ref_logprobs: torch.Tensor | None
-    num_items: torch.Tensor
+from grpo_fast.trainer.model.packed_policy import Behaviour
+from grpo_fast.trainer.model.packing import packed_attention, to_grid
+from grpo_fast.trainer.rollout.samples import Samples
+from grpo_fast.trainer.update.batch import StepBatch
+from grpo_fast.trainer.update.metrics import PASS_METRICS
 
 
 @dataclasses.dataclass
@@ -110,51 +75,34 @@ def corrects(samples: Samples, correction: dict | None) -> bool:
     return samples.sampling_logprobs is not None and correction is not None
 
 
-def scores_and_advantages(samples: Samples, config, ranks, device: torch.device) -> tuple:
-    """``(scores [N_global, 2 + K], this rank's GroupAdvantages on device or None)``: GRPO's
-    critic-free advantages, each reward relative to its group's. They are computed from every
-    rank's rewards [N_global, K] (a few numbers a row; a group never spans ranks, but
-    scale="batch" and the logged statistics are the global batch's); this rank keeps its rows.
-    None when no rank has a row."""
-    G, N = config.group_size, samples.rewards.shape[0]
-    # The log line's completion_len_mean, travelling with the rewards: the model's tokens (tool
-    # results not counted, as TRL's completions/mean_length counts sum(tool_mask)).
-    lengths = samples.completion_mask.sum(1).to(samples.rewards)
-    table, first = ranks.gather_rows(torch.cat([lengths[:, None], samples.rewards], 1))
-    if len(table) == 0:
-        return torch.cat([torch.full_like(table[:, :1], float("nan")), table], 1), None
-    stats = group_advantages(table[:, 1:], G, scale=config.advantage_scale, reward_weights=config.reward_weights)
-    rows, groups = slice(first, first + N), slice(first // G, (first + N) // G)
-    mine = GroupAdvantages(
-        stats.advantages[rows], stats.rewards[rows], stats.mean[groups], stats.std[groups], stats.frac_zero_std
+def sampling_metrics(proximal, behaviour, mask, ratio, sequence_level: bool, ranks) -> dict:
+    """TRL's ``sampling/*`` metrics of a sampling correction over every rank's rows, as 0-dim
+    float64 tensors on the rows' device (read with the step's other metrics): the mean and
+    largest |proximal - behaviour| over completion tokens (NaN left out), and the smallest, mean
+    and largest bounded ratio [N, T] over tokens, or [N, 1] over sequences (0 when none)."""
+    active = mask.bool()
+    diff = (proximal - behaviour).abs()
+    valid = active & ~diff.isnan()
+    counted = torch.ones_like(ratio, dtype=torch.bool) if sequence_level else active
+
+    def total(x, keep):
+        return x.where(keep, 0.0).sum().double()
+
+    def largest(x, keep):  # -inf where nothing is kept (a rank without rows)
+        return torch.cat([x.where(keep, -math.inf).flatten(), x.new_full((1,), -math.inf)]).max().double()
+
+    sums = ranks.sum(
+        torch.stack([total(diff, valid), valid.sum().double(), total(ratio, counted), counted.sum().double()])
     )
-    return torch.cat([stats.rewards[:, None], table], 1), GroupAdvantages(*(t.to(device) for t in mine))
-
-
-@torch.no_grad()
-def packed_logprobs(module, micro_batches: list, ranks, filler, like: torch.Tensor) -> torch.Tensor:
-    """The completion tokens' log-probs [n, C] under ``module`` of ``micro_batches`` (run in
-    lockstep with the other ranks: under FSDP2 a forward is a collective); zeros like ``like``
-    [n, C] when there are none."""
-    out = []
-    for packed, _ in ranks.lockstep(micro_batches):
-        logp = module(filler if packed is None else packed)
-        if packed is not None:
-            out.append(logp)
-    if distributed.is_sharded(module):
-        module.reshard()  # no backward follows to reshard the root: free its whole weights now
-    return torch.cat(out) if out else torch.zeros_like(like)
-
-
-def reference_logprobs(module, policy, reference, samples: Samples, micro_batches: list, ranks, filler):
-    """The reference's log-probs [N, C] of the samples: those a rollout worker computed ahead
-    for the first rows (``samples.ref_logprobs``), then the other micro-batches'."""
-    done = samples.ref_logprobs
-    first = 0 if done is None else done.shape[0]
-    rest = [packed for packed in micro_batches if packed.rows.start >= first]
-    with reference_context(policy, reference):
-        logp = packed_logprobs(module, rest, ranks, filler, samples.completion_mask[first:])
-    return logp if done is None else torch.cat([done, logp])
+    highs = ranks.max(torch.stack([largest(diff, valid), largest(ratio, counted), largest(-ratio, counted)]))
+    any_diff, any_ratio = sums[1] > 0, sums[3] > 0
+    return {
+        "sampling/sampling_logp_difference/mean": sums[0] / sums[1].clamp(min=1),
+        "sampling/sampling_logp_difference/max": torch.where(any_diff, highs[0], 0.0),
+        "sampling/importance_sampling_ratio/min": torch.where(any_ratio, -highs[2], 0.0),
+        "sampling/importance_sampling_ratio/mean": sums[2] / sums[3].clamp(min=1),
+        "sampling/importance_sampling_ratio/max": torch.where(any_ratio, highs[1], 0.0),
+    }
 
 
 def accumulate(modules, policy, batch: StepBatch, proximal: Proximal | None, config, ranks, record: bool):
@@ -227,10 +175,9 @@ def loss_inputs(batch: StepBatch, packed, proximal: Proximal | None, num_iterati
     def tokens(x):  # [n, C] -> [Nc]
         return None if x is None else x[rows][row, col]
 
-    advantages = batch.advantages[rows]  # [n] per sequence, or [n, C] (PPO)
     old = proximal.logprobs if proximal is not None and num_iterations > 1 else None
     return LossInputs(
-        advantages.unsqueeze(1) if advantages.dim() == 1 else tokens(batch.advantages),
+        batch.loss_advantages(packed),
         tokens(batch.completion_mask),
         tokens(old),
         tokens(batch.ref_logprobs),

@@ -20,7 +20,7 @@ import time
 import torch
 
 from grpo_fast.tools.calls import parse_tool_calls, run_tool_calls, truncate_middle
-from grpo_fast.trainer.generators import Turns
+from grpo_fast.trainer.rollout.engines import Turns
 
 
 class ToolLoop:

@@ -17,7 +17,7 @@ from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_with_tokens
 from grpo_fast.ops.policy import LossInputs
 from grpo_fast.outputs import LossOutput
 from grpo_fast.spec import LossConfig, SamplingCorrection, sampling_correction
-from grpo_fast.trainer.packing import Packed, pack, packed_hidden, packed_logits, to_grid
+from grpo_fast.trainer.model.packing import Packed, pack, packed_hidden, packed_logits, to_grid
 
 
 def filler(device: torch.device) -> Packed:
