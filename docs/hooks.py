@@ -7,11 +7,11 @@ MARKER = "<!-- flags -->"
 
 
 def flags_markdown() -> str:
-    """One table per help topic (:func:`grpo_fast.trainer.config.help_topics`, the fields' own
+    """One table per help topic (:func:`grpo_fast.cli.help_topics`, the fields' own
     declarations): flag (and its TRL and short names), default, help."""
-    from grpo_fast.cli import flag_names
+    from grpo_fast.cli import flag_names, help_topics
     from grpo_fast.spec import option_default
-    from grpo_fast.trainer.config import GRPOConfig, help_topics
+    from grpo_fast.trainer.config import GRPOConfig
 
     fields = {field.name: field for field in dataclasses.fields(GRPOConfig)}
     parts = []

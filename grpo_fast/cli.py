@@ -23,7 +23,7 @@ import types
 import typing
 
 from grpo_fast.spec import option_default
-from grpo_fast.trainer.config import GRPOConfig, help_topics
+from grpo_fast.trainer.config import TOPICS, GRPOConfig
 from grpo_fast.trainer.trl_names import TRL_ALIASES, TRL_INSTEAD
 
 BENCHMARKS = {
@@ -95,6 +95,20 @@ def flag_names(name: str) -> list:
     """The flags of config field ``name``: --name-with-dashes, its short names, TRL's names of it."""
     trl = [f"--{alias.replace('_', '-')}" for alias, ours in TRL_ALIASES.items() if ours == name]
     return [f"--{name.replace('_', '-')}", *_ALIASES.get(name, []), *trl]
+
+
+def help_topics(config_class=None) -> dict:
+    """``{topic: [field names]}`` of ``config_class`` (default :class:`GRPOConfig`): every field
+    under the topic it declares (``option(..., topic=...)``), the topics in ``config.TOPICS``'
+    order, the fields in the class's. A field without a topic, or with one not in TOPICS, is a
+    ValueError that names it."""
+    out = {topic: [] for topic in TOPICS}
+    for f in dataclasses.fields(config_class or GRPOConfig):
+        topic = f.metadata.get("topic")
+        if topic not in out:
+            raise ValueError(f"config field {f.name!r} declares help topic {topic!r}; the topics are {TOPICS}")
+        out[topic].append(f.name)
+    return {topic: names for topic, names in out.items() if names}
 
 
 def _add_field(group, field: dataclasses.Field) -> None:
@@ -277,7 +291,7 @@ def dashed(argv: list) -> list:
 def _run_errors() -> tuple:
     """What a run's input can cause besides ValueError and FileNotFoundError: one line and
     exit code 2, not a traceback (imported when a run has failed: rollout's module loads torch)."""
-    from grpo_fast.trainer.config import TrackerUnavailable
+    from grpo_fast.trainer.choices import TrackerUnavailable
     from grpo_fast.trainer.rollout.samples import RewardError
 
     return RewardError, TrackerUnavailable

@@ -118,8 +118,9 @@ def test_every_train_flag_has_a_help_line_with_its_default_under_its_topic(capsy
     without a known topic is refused by name."""
     import dataclasses
 
+    from grpo_fast.cli import help_topics
     from grpo_fast.spec import option
-    from grpo_fast.trainer.config import TOPICS, GRPOConfig, help_topics
+    from grpo_fast.trainer.config import TOPICS, GRPOConfig
 
     topics = help_topics()
     grouped = [name for names in topics.values() for name in names]

@@ -32,7 +32,7 @@ def test_mkdocs_build_strict(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "index.html").is_file()
     # flags.md's table is generated from the config (docs/hooks.py): every field, under its topic
-    from grpo_fast.trainer.config import help_topics
+    from grpo_fast.cli import help_topics
 
     flags = (tmp_path / "site" / "flags" / "index.html").read_text(encoding="utf-8")
     for topic, names in help_topics().items():

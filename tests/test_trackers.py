@@ -19,8 +19,9 @@ import pytest
 
 from grpo_fast.cli import main
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer, grpo
+from grpo_fast.trainer.choices import TRACKERS, TrackerUnavailable
 from grpo_fast.trainer.run.run_log import read_completions, read_metrics
-from grpo_fast.trainer.run.trackers import TRACKERS, TrackerUnavailable, parameters, scalars
+from grpo_fast.trainer.run.trackers import parameters, scalars
 
 RUN = ["--steps", "4", "--batch-size", "16", "-G", "4", "--max-new-tokens", "3", "--no-progress"]
 RUN += ["--eval-every", "2", "--eval-samples", "4", "--log-completions-every", "2"]

@@ -21,6 +21,7 @@ with it.
 """
 
 from grpo_fast.tools.calls import ToolResult
+from grpo_fast.tools.registry import Tool, resolve_tools
 
 # Placeholders that the checks look for in the rendered text; unlikely in any real template.
 _ARG_KEY, _ARG_VALUE, _RESULT = "arg_key_5c1e", "arg_value_9d2f", "tool_result_7a3b"
@@ -48,8 +49,6 @@ class ToolTemplate:
     """
 
     def __init__(self, tokenizer, tools, *, chat_template_kwargs: dict | None = None):
-        from grpo_fast.tools import Tool, resolve_tools
-
         tools = list(tools)
         if not tools:
             raise ValueError("ToolTemplate: tools must name at least one tool")

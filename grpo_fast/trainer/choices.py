@@ -1,9 +1,12 @@
-"""The names a run's settings choose from, where nothing heavy is imported: the config
-validates against them before torch loads, and the modules that act on a name read it here.
+"""The names a run's settings choose from, and the checks that a name can be used on this
+machine, where nothing heavy is imported: the config validates against them before torch
+loads, and the modules that act on a name read it here.
 
 A new engine is a module of ``rollout/engines/`` and a row of :data:`ENGINES`; a new tracker an
 adapter of ``run/trackers.py`` and a row of :data:`TRACKERS`.
 """
+
+import importlib.util
 
 # name -> "module:Class" of a generation engine, imported only when picked (it may need an
 # optional package)
@@ -18,3 +21,40 @@ PARALLEL = ("ddp", "fsdp")  # under torchrun: each rank a replica, or a shard (F
 LR_SCHEDULES = ("cosine", "linear", "constant")
 # tracker name -> the library it needs installed (the pip extra of the tracker's name installs it)
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+
+
+def check_device(name: str, value: str) -> None:
+    """Raises ValueError unless ``value`` names a device of this machine: cpu, cuda, cuda:N."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name} must be a device such as 'cpu' or 'cuda:1', got {value!r}") from exc
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"{name} must be 'cpu' or a CUDA device, got {value!r}")
+    count = torch.cuda.device_count()
+    if count == 0 or (device.index or 0) >= count:
+        raise ValueError(f"{name}={value!r} does not exist: this machine has {count} CUDA device(s)")
+
+
+class TrackerUnavailable(ImportError):
+    """A tracker named in ``report_to`` whose library is not installed."""
+
+
+def check_trackers(names) -> None:
+    """ValueError for an unknown name (listing the valid ones), :class:`TrackerUnavailable`
+    (naming the pip extra) for one whose library is not installed. Imports nothing."""
+    if names is None:
+        return
+    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"report_to must be a list of tracker names, got {names!r}")
+    for name in names:
+        if name not in TRACKERS:
+            raise ValueError(f"report_to: unknown tracker {name!r}; valid trackers are {list(TRACKERS)}")
+        if importlib.util.find_spec(TRACKERS[name]) is None:
+            raise TrackerUnavailable(
+                f'report_to={name!r} needs the {TRACKERS[name]!r} package: pip install "grpo-fast[{name}]"'
+            )

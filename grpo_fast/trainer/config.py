@@ -6,7 +6,6 @@ one-line help, which ``grpo-fast train --help`` prints beside its default.
 """
 
 import dataclasses
-import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -14,25 +13,33 @@ from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampl
 from grpo_fast.tasks import TASK_SETTINGS, TASKS
 from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
 from grpo_fast.tools import TOOLS
-from grpo_fast.trainer.choices import ENGINES, LR_SCHEDULES, PARALLEL, PRECISIONS, TRACKERS, TURN_ENGINES
+from grpo_fast.trainer.choices import (
+    ENGINES,
+    LR_SCHEDULES,
+    PARALLEL,
+    PRECISIONS,
+    TRACKERS,
+    TURN_ENGINES,
+    check_device,
+    check_trackers,
+)
 from grpo_fast.trainer.trl_names import from_trl_names
 
 # The help topics, in the order of `grpo-fast train --help` and of the docs' flag table; each
-# field names its own (``option(..., topic=...)``), and :func:`help_topics` groups them.
-TOPICS = (
-    "model and data",
-    "rewards",
-    "tools",
-    "rollout",
-    "generation engine",
-    "asynchronous rollouts and off-policy samples",
-    "loss",
-    "optimisation",
-    "memory and speed",
-    "devices",
-    "checkpoints, logging and the Hub",
-    "held-out evaluation",
-)
+# field names its own where it is defined (``option(..., topic=...)``).
+DATA = "model and data"
+REWARDS = "rewards"
+TOOLING = "tools"
+ROLLOUT = "rollout"
+ENGINE = "generation engine"
+ASYNC = "asynchronous rollouts and off-policy samples"
+LOSS = "loss"
+OPTIM = "optimisation"
+SPEED = "memory and speed"
+DEVICES = "devices"
+LOGS = "checkpoints, logging and the Hub"
+EVAL = "held-out evaluation"
+TOPICS = (DATA, REWARDS, TOOLING, ROLLOUT, ENGINE, ASYNC, LOSS, OPTIM, SPEED, DEVICES, LOGS, EVAL)
 
 
 @dataclass
@@ -47,122 +54,116 @@ class GRPOConfig(LossConfig):
     model: str | None = option(
         None,
         "a Hub name (Qwen/Qwen2.5-0.5B-Instruct) or a local folder, as from_pretrained takes; None = the demo model",
-        topic="model and data",
+        topic=DATA,
     )
     model_revision: str | None = option(
-        None, "the Hub model's branch, tag or commit; None = its default branch", topic="model and data"
+        None, "the Hub model's branch, tag or commit; None = its default branch", topic=DATA
     )
     task: str | None = option(
         None,
         "a built-in task, when no dataset is given: arithmetic (the demo), tool_arithmetic (multiplication with "
         "the calculator; its own default max_new_tokens 32); None = arithmetic",
-        topic="model and data",
+        topic=DATA,
     )
     dataset: str | None = option(
         None,
         "a Hub dataset name (openai/gsm8k), or a JSONL / CSV / Parquet file or dataset folder; None = the demo",
-        topic="model and data",
+        topic=DATA,
     )
     dataset_config: str | None = option(
-        None, "the Hub dataset's configuration (gsm8k: main); also the eval dataset's", topic="model and data"
+        None, "the Hub dataset's configuration (gsm8k: main); also the eval dataset's", topic=DATA
     )
-    dataset_split: str | None = option(
-        None, "the training split of a dataset with splits; None = train", topic="model and data"
-    )
-    prompt_column: str = option("prompt", "dataset column holding the prompt", topic="model and data")
+    dataset_split: str | None = option(None, "the training split of a dataset with splits; None = train", topic=DATA)
+    prompt_column: str = option("prompt", "dataset column holding the prompt", topic=DATA)
     prompt_template: str | None = option(
         None,
         "instead of prompt_column, the prompt made of the row's columns, e.g. '{text}\\nTests:\\n{test_list}' "
         "(a list column one item per line); None = prompt_column as it is",
-        topic="model and data",
+        topic=DATA,
     )
     answer_column: str | None = option(
-        None, "dataset column holding the reference answer, passed to rewards", topic="model and data"
+        None, "dataset column holding the reference answer, passed to rewards", topic=DATA
     )
-    system_prompt: str | None = option(None, "system message for chat-template prompts", topic="model and data")
-    max_prompt_length: int | None = option(
-        None, "longer prompts keep their last tokens; None = no limit", topic="model and data"
-    )
+    system_prompt: str | None = option(None, "system message for chat-template prompts", topic=DATA)
+    max_prompt_length: int | None = option(None, "longer prompts keep their last tokens; None = no limit", topic=DATA)
     output_dir: str | None = option(
-        None, "run folder (metrics, checkpoints, final model); None = runs/<time>", topic="model and data"
+        None, "run folder (metrics, checkpoints, final model); None = runs/<time>", topic=DATA
     )
-    seed: int = option(0, "seed of the model init, data order and sampling", topic="model and data")
+    seed: int = option(0, "seed of the model init, data order and sampling", topic=DATA)
 
     reward_funcs: list | None = option(
-        None, "reward names in grpo_fast.rewards or module:function; None = task's", topic="rewards"
+        None, "reward names in grpo_fast.rewards or module:function; None = task's", topic=REWARDS
     )
-    reward_weights: list | None = option(None, "one weight per reward function; None = all 1", topic="rewards")
+    reward_weights: list | None = option(None, "one weight per reward function; None = all 1", topic=REWARDS)
 
     tools: list | None = option(
         None,
         "tools the model may call while it answers: built-in names (calculator, python) or module:function; "
         "None = none",
-        topic="tools",
+        topic=TOOLING,
     )
     max_tool_calling_iterations: int | None = option(
         None,
         "tools: at most this many tool-answered turns per trajectory; None = as many as max_new_tokens allows",
-        topic="tools",
+        topic=TOOLING,
     )
     max_tool_response_tokens: int | None = option(
-        None, "tools: a result longer than this many tokens is cut in the middle (marked); None = no cut", topic="tools"
+        None, "tools: a result longer than this many tokens is cut in the middle (marked); None = no cut", topic=TOOLING
     )
     tool_timeout_s: float = option(
-        10.0, "tools: a call still running after this many seconds answers with an error", topic="tools"
+        10.0, "tools: a call still running after this many seconds answers with an error", topic=TOOLING
     )
 
-    steps: int = option(300, "training steps (one rollout batch each)", topic="rollout")
-    batch_size: int = option(128, "completions per step", topic="rollout")
-    group_size: int = option(16, "G, completions per prompt", topic="rollout")
+    steps: int = option(300, "training steps (one rollout batch each)", topic=ROLLOUT)
+    batch_size: int = option(128, "completions per step", topic=ROLLOUT)
+    group_size: int = option(16, "G, completions per prompt", topic=ROLLOUT)
     max_new_tokens: int = option(
         4,
         "completion length limit (also dr_grpo's max_completion_length when unset; max_completion_length given "
         "alone, TRL's name, sets both)",
-        topic="rollout",
+        topic=ROLLOUT,
     )
-    top_p: float = option(1.0, "nucleus sampling threshold in (0, 1]", topic="rollout")
-    top_k: int = option(0, "sample among the k most likely tokens only; 0 = all", topic="rollout")
+    top_p: float = option(1.0, "nucleus sampling threshold in (0, 1]", topic=ROLLOUT)
+    top_k: int = option(0, "sample among the k most likely tokens only; 0 = all", topic=ROLLOUT)
     dynamic_sampling: bool = option(
-        False, "DAPO: drop groups whose rewards are all equal, sample more to refill", topic="rollout"
+        False, "DAPO: drop groups whose rewards are all equal, sample more to refill", topic=ROLLOUT
     )
     max_sampling_rounds: int = option(
-        3, "dynamic sampling: at most this many generation rounds per step", topic="rollout"
+        3, "dynamic sampling: at most this many generation rounds per step", topic=ROLLOUT
     )
-    num_iterations: int = option(1, "mu: optimisation passes over each rollout batch", topic="rollout")
+    num_iterations: int = option(1, "mu: optimisation passes over each rollout batch", topic=ROLLOUT)
 
-    generator: str = option("sampler", f"generation engine: {', '.join(ENGINES)}", topic="generation engine")
+    generator: str = option("sampler", f"generation engine: {', '.join(ENGINES)}", topic=ENGINE)
     compile_generation: bool = option(
-        False, "sampler on CUDA: static KV cache, decode step compiled to a CUDA graph", topic="generation engine"
+        False, "sampler on CUDA: static KV cache, decode step compiled to a CUDA graph", topic=ENGINE
     )
     vllm_gpu_memory_utilization: float = option(
         0.3,
         "vllm: share of the GPU's memory the engine may take (weights + KV cache), beside the trainer's",
-        topic="generation engine",
+        topic=ENGINE,
     )
     vllm_sleep_level: int = option(
         0,
         "vllm: 0 = engine stays resident; 1 = offload weights, free KV cache between rollouts; 2 = free both",
-        topic="generation engine",
+        topic=ENGINE,
     )
     vllm_enforce_eager: bool = option(
-        True, "vllm: no CUDA graphs (False captures them: faster decode, slower start)", topic="generation engine"
+        True, "vllm: no CUDA graphs (False captures them: faster decode, slower start)", topic=ENGINE
     )
-    vllm_prefix_cache: bool = option(
-        True, "vllm: reuse a prompt's keys and values across its G samples", topic="generation engine"
-    )
+    vllm_prefix_cache: bool = option(True, "vllm: reuse a prompt's keys and values across its G samples", topic=ENGINE)
     vllm_max_model_len: int | None = option(
-        None, "vllm: the engine's context length; None = the model's limit", topic="generation engine"
+        None, "vllm: the engine's context length; None = the model's limit", topic=ENGINE
     )
 
     max_staleness: int = option(
         0,
         "K >= 1: a worker process samples batches ahead, each at most K optimizer steps old; 0 = synchronous",
-        topic="asynchronous rollouts and off-policy samples",
+        topic=ASYNC,
     )
     generation_device: str | None = option(
         None,
         "max_staleness >= 1: the worker's device (cpu, cuda:1); None = the trainer's",
-        topic="asynchronous rollouts and off-policy samples",
+        topic=ASYNC,
     )
     sampling_correction: str | None = option(
         "auto",
@@ -170,120 +171,104 @@ class GRPOConfig(LossConfig):
         f"worker's older weights): TRL's correction, one of {', '.join(SAMPLING_CORRECTIONS)}; auto = "
         "sequence_mask (TRL's default) for the engine's drift alone, token_truncate for stale batches "
         "(max_staleness >= 1); None = off",
-        topic="asynchronous rollouts and off-policy samples",
+        topic=ASYNC,
     )
     sampling_correction_min: float | None = option(
         None,
         "sampling correction: lower bound of the ratio; None = 0",
-        topic="asynchronous rollouts and off-policy samples",
+        topic=ASYNC,
     )
     sampling_correction_max: float | None = option(
         3.0,
         "sampling correction: upper bound of the ratio; None = none",
-        topic="asynchronous rollouts and off-policy samples",
+        topic=ASYNC,
     )
 
-    beta: float = option(
-        0.005, "weight of the KL penalty to the reference model (0 = no reference model)", topic="loss"
-    )
+    beta: float = option(0.005, "weight of the KL penalty to the reference model (0 = no reference model)", topic=LOSS)
     advantage_scale: str = option(
-        "group", "divide advantages by the group's std, the batch's, or none (Dr. GRPO)", topic="loss"
+        "group", "divide advantages by the group's std, the batch's, or none (Dr. GRPO)", topic=LOSS
     )
 
-    learning_rate: float = option(1e-3, "AdamW learning rate", topic="optimisation")
-    weight_decay: float = option(0.0, "AdamW weight decay", topic="optimisation")
-    adam_beta1: float = option(0.9, "AdamW beta1", topic="optimisation")
-    adam_beta2: float = option(0.99, "AdamW beta2", topic="optimisation")
-    warmup_steps: int = option(5, "linear warmup, in training steps", topic="optimisation")
-    lr_schedule: str = option("constant", f"after warmup: {', '.join(LR_SCHEDULES)}", topic="optimisation")
-    max_grad_norm: float | None = option(
-        1.0, "clip the gradient norm to this; None = no clipping", topic="optimisation"
-    )
+    learning_rate: float = option(1e-3, "AdamW learning rate", topic=OPTIM)
+    weight_decay: float = option(0.0, "AdamW weight decay", topic=OPTIM)
+    adam_beta1: float = option(0.9, "AdamW beta1", topic=OPTIM)
+    adam_beta2: float = option(0.99, "AdamW beta2", topic=OPTIM)
+    warmup_steps: int = option(5, "linear warmup, in training steps", topic=OPTIM)
+    lr_schedule: str = option("constant", f"after warmup: {', '.join(LR_SCHEDULES)}", topic=OPTIM)
+    max_grad_norm: float | None = option(1.0, "clip the gradient norm to this; None = no clipping", topic=OPTIM)
     max_tokens_per_micro_batch: int | None = option(
         None,
         "token budget (prompt + completion) of one packed forward/backward; None = the whole batch",
-        topic="optimisation",
+        topic=OPTIM,
     )
     micro_batch_size: int | None = option(
-        None, "at most this many sequences per forward/backward; None = no limit", topic="optimisation"
+        None, "at most this many sequences per forward/backward; None = no limit", topic=OPTIM
     )
 
-    precision: str = option(
-        "auto", "auto = bf16 autocast on CUDA, fp32 on CPU; or bf16, fp32", topic="memory and speed"
-    )
-    gradient_checkpointing: bool = option(
-        False, "recompute activations in backward to save memory", topic="memory and speed"
-    )
+    precision: str = option("auto", "auto = bf16 autocast on CUDA, fp32 on CPU; or bf16, fp32", topic=SPEED)
+    gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory", topic=SPEED)
     fused_linear: bool = option(
-        False, "compute the loss from hidden states and the LM head (fused_linear_grpo_loss)", topic="memory and speed"
+        False, "compute the loss from hidden states and the LM head (fused_linear_grpo_loss)", topic=SPEED
     )
     log_entropy: bool = option(
         True,
         "log the policy's mean token entropy (False: on CPU each chunk takes two vocabulary passes, not five)",
-        topic="memory and speed",
+        topic=SPEED,
     )
     lora_r: int = option(
-        0, "> 0 trains a peft LoRA of this rank; the reference is the model with adapters off", topic="memory and speed"
+        0, "> 0 trains a peft LoRA of this rank; the reference is the model with adapters off", topic=SPEED
     )
-    lora_alpha: int = option(16, "LoRA alpha", topic="memory and speed")
-    lora_target_modules: list = option(
-        ["q_proj", "k_proj", "v_proj", "o_proj"], "modules LoRA adapts", topic="memory and speed"
-    )
+    lora_alpha: int = option(16, "LoRA alpha", topic=SPEED)
+    lora_target_modules: list = option(["q_proj", "k_proj", "v_proj", "o_proj"], "modules LoRA adapts", topic=SPEED)
 
     device: str = option(
-        "auto", "auto = cuda when available, else cpu (under torchrun: cuda:LOCAL_RANK)", topic="devices"
+        "auto", "auto = cuda when available, else cpu (under torchrun: cuda:LOCAL_RANK)", topic=DEVICES
     )
     parallel: str = option(
-        "ddp", "under torchrun: ddp (each rank a replica) or fsdp (FSDP2: each rank a shard)", topic="devices"
+        "ddp", "under torchrun: ddp (each rank a replica) or fsdp (FSDP2: each rank a shard)", topic=DEVICES
     )
     collective_timeout_s: float = option(
-        1800.0, "under torchrun: a rank waiting this long for the others fails the job", topic="devices"
+        1800.0, "under torchrun: a rank waiting this long for the others fails the job", topic=DEVICES
     )
 
-    save_every: int = option(
-        50, "checkpoint every k steps (and at the end); 0 = only at the end", topic="checkpoints, logging and the Hub"
-    )
-    keep_checkpoints: int = option(2, "checkpoints kept on disk", topic="checkpoints, logging and the Hub")
-    progress: bool = option(True, "show a progress bar", topic="checkpoints, logging and the Hub")
+    save_every: int = option(50, "checkpoint every k steps (and at the end); 0 = only at the end", topic=LOGS)
+    keep_checkpoints: int = option(2, "checkpoints kept on disk", topic=LOGS)
+    progress: bool = option(True, "show a progress bar", topic=LOGS)
     report_to: list | None = option(
         None,
         f"experiment trackers, any of: {', '.join(TRACKERS)}; None = none",
-        topic="checkpoints, logging and the Hub",
+        topic=LOGS,
     )
     log_completions_every: int = option(
         50,
         "every k steps (and at the end) a sample of rollout rows to completions.jsonl and tracker tables; 0 = off",
-        topic="checkpoints, logging and the Hub",
+        topic=LOGS,
     )
     push_to_hub: bool = option(
         False,
         "at the end, upload final/ and its model card (README.md) to hub_model_id",
-        topic="checkpoints, logging and the Hub",
+        topic=LOGS,
     )
     hub_model_id: str | None = option(
         None,
         "push_to_hub's repository, user/name or org/name; None = the output folder's name, under your account",
-        topic="checkpoints, logging and the Hub",
+        topic=LOGS,
     )
 
     eval_dataset: str | None = option(
-        None, "held-out prompts, as --dataset; None = the demo's held-out sums", topic="held-out evaluation"
+        None, "held-out prompts, as --dataset; None = the demo's held-out sums", topic=EVAL
     )
-    eval_split: str = option("test", "the split of an eval dataset with splits", topic="held-out evaluation")
+    eval_split: str = option("test", "the split of an eval dataset with splits", topic=EVAL)
     eval_every: int = option(
         0,
         "evaluate every k steps and at the end; 0 = at the end if eval_dataset is given, else never",
-        topic="held-out evaluation",
+        topic=EVAL,
     )
-    eval_samples: int = option(
-        8, "n, completions per eval prompt (pass@1 and pass@n from them)", topic="held-out evaluation"
-    )
+    eval_samples: int = option(8, "n, completions per eval prompt (pass@1 and pass@n from them)", topic=EVAL)
     eval_temperature: float | None = option(
-        None, "sampling temperature of the evaluation; None = temperature", topic="held-out evaluation"
+        None, "sampling temperature of the evaluation; None = temperature", topic=EVAL
     )
-    eval_pass_threshold: float = option(
-        1.0, "a sample passes when its combined reward is at least this", topic="held-out evaluation"
-    )
+    eval_pass_threshold: float = option(1.0, "a sample passes when its combined reward is at least this", topic=EVAL)
 
     def __post_init__(self):
         """Fields may be edited one by one: validation waits for ``validate()``. A built-in
@@ -364,45 +349,38 @@ class GRPOConfig(LossConfig):
     def validate(self) -> None:
         """Raises ValueError naming the first inconsistent setting, the loss's options included."""
 
-        def require(ok: bool, message: str):
-            if not ok:
-                raise ValueError(message)
-
         def choice(name: str, options):
             value = getattr(self, name)
-            require(value in options, f"{name} must be one of {tuple(options)}, got {value!r}")
+            _require(value in options, f"{name} must be one of {tuple(options)}, got {value!r}")
 
-        for name in ("steps", "batch_size", "max_new_tokens", "num_iterations", "max_sampling_rounds"):
-            value = getattr(self, name)
-            require(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
-        require(
+        for name in ("steps", "batch_size", "max_new_tokens", "num_iterations", "max_sampling_rounds", "eval_samples"):
+            self._int_at_least(name, 1)
+        for name in ("top_k", "log_completions_every", "eval_every"):
+            self._int_at_least(name, 0)
+        for name, low in (("max_tokens_per_micro_batch", 1), ("vllm_max_model_len", 2)):
+            self._int_at_least(name, low, optional=True)
+        _require(
             isinstance(self.group_size, int) and self.group_size >= 2,
             f"group_size (G) must be an int >= 2: advantages compare samples within a group, got {self.group_size!r}",
         )
-        require(
+        _require(
             self.batch_size % self.group_size == 0,
             f"batch_size={self.batch_size} must be divisible by group_size={self.group_size} "
             "(batch_size counts completions, group_size of them per prompt)",
         )
         if self.micro_batch_size is not None:
-            require(
+            _require(
                 isinstance(self.micro_batch_size, int) and 1 <= self.micro_batch_size <= self.batch_size,
                 f"micro_batch_size must be an int in [1, batch_size={self.batch_size}], got {self.micro_batch_size!r}",
             )
-        if self.max_tokens_per_micro_batch is not None:
-            require(
-                isinstance(self.max_tokens_per_micro_batch, int) and self.max_tokens_per_micro_batch >= 1,
-                f"max_tokens_per_micro_batch must be an int >= 1 or None, got {self.max_tokens_per_micro_batch!r}",
-            )
         self.loss_config()
-        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        require(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an int >= 0, got {self.top_k!r}")
-        require(
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require(
             not self.compile_generation or self.generator == "sampler",
             f"compile_generation needs generator='sampler' (it compiles that engine's decode step), "
             f"got generator={self.generator!r}",
         )
-        require(
+        _require(
             0 < self.vllm_gpu_memory_utilization <= 1,
             f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization!r}",
         )
@@ -411,50 +389,38 @@ class GRPOConfig(LossConfig):
             check_sampling_correction(
                 self.correction_mode(), self.sampling_correction_min, self.sampling_correction_max
             )
-        if self.vllm_max_model_len is not None:
-            require(
-                isinstance(self.vllm_max_model_len, int) and self.vllm_max_model_len >= 2,
-                f"vllm_max_model_len must be an int >= 2 or None, got {self.vllm_max_model_len!r}",
-            )
-        self._validate_asynchrony(require)
+        self._validate_asynchrony()
         self.check_tools(self.tools)
-        require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate!r}")
-        require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
-        require(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every!r}")
-        require(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints!r}")
-        require(self.lora_r >= 0, f"lora_r must be >= 0, got {self.lora_r!r}")
-        require(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
+        _require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate!r}")
+        _require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        _require(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every!r}")
+        _require(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints!r}")
+        _require(self.lora_r >= 0, f"lora_r must be >= 0, got {self.lora_r!r}")
+        _require(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
         choice("advantage_scale", SCALES)
         choice("lr_schedule", LR_SCHEDULES)
         choice("precision", PRECISIONS)
         choice("generator", ENGINES)
         choice("parallel", PARALLEL)
         if self.reward_weights is not None:
-            require(
+            _require(
                 self.reward_funcs is not None and len(self.reward_weights) == len(self.reward_funcs),
                 f"reward_weights needs one weight per entry of reward_funcs, got {self.reward_weights!r} "
                 f"for {self.reward_funcs!r}",
             )
-        require(
-            isinstance(self.eval_samples, int) and self.eval_samples >= 1,
-            f"eval_samples must be an int >= 1, got {self.eval_samples!r}",
-        )
-        for name in ("log_completions_every", "eval_every"):
-            value = getattr(self, name)
-            require(isinstance(value, int) and value >= 0, f"{name} must be an int >= 0, got {value!r}")
-        require(
+        _require(
             self.eval_every <= self.steps,
             f"eval_every={self.eval_every} is larger than the run (steps={self.steps}): it would evaluate only at "
             "the end; pass eval_every <= steps",
         )
         if self.eval_temperature is not None:
-            require(self.eval_temperature > 0, f"eval_temperature must be > 0, got {self.eval_temperature!r}")
+            _require(self.eval_temperature > 0, f"eval_temperature must be > 0, got {self.eval_temperature!r}")
         check_trackers(self.report_to)
         if self.model is not None and is_local_path(self.model):
-            require(os.path.isdir(self.model), f"model path {self.model!r} is not a directory")
+            _require(os.path.isdir(self.model), f"model path {self.model!r} is not a directory")
         for name in ("dataset", "eval_dataset"):  # a Hub name is checked when it loads, before the model
             path = getattr(self, name)
-            require(
+            _require(
                 path is None or not is_dataset_path(path) or os.path.exists(path),
                 f"{name} path {path!r} does not exist",
             )
@@ -465,65 +431,63 @@ class GRPOConfig(LossConfig):
         anything loads; a tool's function and schema are checked when the trainer resolves it,
         before the model loads)."""
 
-        def require(ok: bool, message: str):
-            if not ok:
-                raise ValueError(message)
-
         if self.task is not None:
-            require(self.task in TASKS, f"task must be one of {tuple(TASKS)} or None, got {self.task!r}")
-            require(
+            _require(self.task in TASKS, f"task must be one of {tuple(TASKS)} or None, got {self.task!r}")
+            _require(
                 self.dataset is None,
                 f"task={self.task!r} is a built-in task's prompts and dataset={self.dataset!r} another's: give one",
             )
         if tools is None:
             return
-        require(
+        _require(
             isinstance(tools, list) and len(tools) > 0,
             f"tools must be a non-empty list of tool names or None, got {tools!r}",
         )
         for name in tools:
-            require(
+            _require(
                 not isinstance(name, str) or name in TOOLS or ":" in name,
                 f"unknown tool {name!r}; the built-in tools are {sorted(TOOLS)}, or give package.module:function",
             )
         for name in ("max_tool_calling_iterations", "max_tool_response_tokens"):
-            value = getattr(self, name)
-            require(
-                value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
-                f"{name} must be an int >= 1 or None, got {value!r}",
-            )
-        require(self.tool_timeout_s > 0, f"tool_timeout_s must be > 0, got {self.tool_timeout_s!r}")
-        require(
+            self._int_at_least(name, 1, optional=True)
+        _require(self.tool_timeout_s > 0, f"tool_timeout_s must be > 0, got {self.tool_timeout_s!r}")
+        _require(
             self.generator in TURN_ENGINES,
             f"tools need an engine that samples turns: generator one of {TURN_ENGINES}, got {self.generator!r}",
         )
-        require(
+        _require(
             not self.compile_generation,
             "tools do not work with compile_generation: a CUDA graph has fixed shapes, and a tool's answer changes "
             "the batch's between turns",
         )
 
-    def _validate_asynchrony(self, require) -> None:
+    def _int_at_least(self, name: str, low: int, optional: bool = False) -> None:
+        """ValueError unless field ``name`` is an int >= ``low`` (or None when ``optional``)."""
+        value = getattr(self, name)
+        ok = (optional and value is None) or (isinstance(value, int) and not isinstance(value, bool) and value >= low)
+        _require(ok, f"{name} must be an int >= {low}{' or None' if optional else ''}, got {value!r}")
+
+    def _validate_asynchrony(self) -> None:
         """max_staleness and what it needs: a generation device that exists, options that work
         with a worker sampling ahead of the trainer (checked before any model loads)."""
         K = self.max_staleness
-        require(
+        _require(
             isinstance(K, int) and not isinstance(K, bool) and K >= 0,
             f"max_staleness must be an int >= 0 (0 = synchronous rollouts), got {K!r}",
         )
         if not K:
-            require(
+            _require(
                 self.generation_device is None,
                 f"generation_device={self.generation_device!r} needs max_staleness >= 1 (the synchronous loop "
                 "samples on the trainer's device)",
             )
             return
-        require(
+        _require(
             not self.dynamic_sampling,
             "max_staleness >= 1 does not work with dynamic_sampling: its refill rounds decide, from every rank's "
             "rewards, which prompts the next step samples",
         )
-        require(
+        _require(
             self.parallel != "fsdp",
             "max_staleness >= 1 needs parallel='ddp': the worker samples with whole weights, which FSDP2 shards",
         )
@@ -531,52 +495,6 @@ class GRPOConfig(LossConfig):
             check_device("generation_device", self.generation_device)
 
 
-def check_device(name: str, value: str) -> None:
-    """Raises ValueError unless ``value`` names a device of this machine: cpu, cuda, cuda:N."""
-    import torch
-
-    try:
-        device = torch.device(value)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{name} must be a device such as 'cpu' or 'cuda:1', got {value!r}") from exc
-    if device.type == "cpu":
-        return
-    if device.type != "cuda":
-        raise ValueError(f"{name} must be 'cpu' or a CUDA device, got {value!r}")
-    count = torch.cuda.device_count()
-    if count == 0 or (device.index or 0) >= count:
-        raise ValueError(f"{name}={value!r} does not exist: this machine has {count} CUDA device(s)")
-
-
-def help_topics(config_class=None) -> dict:
-    """``{topic: [field names]}`` of ``config_class`` (default :class:`GRPOConfig`): every field
-    under the topic it declares (``option(..., topic=...)``), the topics in :data:`TOPICS`'
-    order, the fields in the class's. A field without a topic, or with one not in TOPICS, is a
-    ValueError that names it."""
-    out = {topic: [] for topic in TOPICS}
-    for f in dataclasses.fields(config_class or GRPOConfig):
-        topic = f.metadata.get("topic")
-        if topic not in out:
-            raise ValueError(f"config field {f.name!r} declares help topic {topic!r}; the topics are {TOPICS}")
-        out[topic].append(f.name)
-    return {topic: names for topic, names in out.items() if names}
-
-
-class TrackerUnavailable(ImportError):
-    """A tracker named in ``report_to`` whose library is not installed."""
-
-
-def check_trackers(names) -> None:
-    """ValueError for an unknown name (listing the valid ones), :class:`TrackerUnavailable`
-    (naming the pip extra) for one whose library is not installed. Imports nothing."""
-    if names is None:
-        return
-    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
-        raise ValueError(f"report_to must be a list of tracker names, got {names!r}")
-    for name in names:
-        if name not in TRACKERS:
-            raise ValueError(f"report_to: unknown tracker {name!r}; valid trackers are {list(TRACKERS)}")
-        if importlib.util.find_spec(TRACKERS[name]) is None:
-            raise TrackerUnavailable(
-                f'report_to={name!r} needs the {TRACKERS[name]!r} package: pip install "grpo-fast[{name}]"'
-            )
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

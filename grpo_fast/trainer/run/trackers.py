@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from grpo_fast.trainer.config import check_trackers
+from grpo_fast.trainer.choices import check_trackers
 
 PROJECT = "grpo-fast"  # the wandb / MLflow experiment / trackio project a run goes to
 

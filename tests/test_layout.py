@@ -1,0 +1,150 @@
+"""The tree tells the architecture: imports point down the layers, with no circle, even lazily.
+
+The graph is read from the source (``ast``), so it counts every import a module can run: at
+module level, inside functions (the lazy imports that keep ``grpo-fast --help`` fast), and the
+modules a package's ``lazy_exports`` or a ``LazyModule`` stand in for; only ``if TYPE_CHECKING:``
+blocks, which never run, are left out. A package's ``__init__`` is a node of its own; importing
+a submodule does not count as importing its package's names.
+"""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "grpo_fast")
+
+# Who may not import whom: (modules under this prefix, prefixes they must never import).
+# The trainer's core is config, choices, trl_names, runtime and distributed; each side's folder
+# says the same in its __init__ docstring.
+SIDES = ("grpo_fast.trainer.model", "grpo_fast.trainer.rollout", "grpo_fast.trainer.update", "grpo_fast.trainer.run")
+TOP = ("grpo_fast.trainer.grpo", "grpo_fast.trainer.ppo")
+CORE = tuple(f"grpo_fast.trainer.{name}" for name in ("config", "choices", "trl_names", "runtime", "distributed"))
+FORBIDDEN = [
+    ("grpo_fast.kernels", ("grpo_fast.ops", "grpo_fast.trainer", "grpo_fast.reference")),
+    ("grpo_fast.ops", ("grpo_fast.trainer", "grpo_fast.integrations")),
+    ("grpo_fast.reference", ("grpo_fast.ops", "grpo_fast.kernels", "grpo_fast.trainer")),
+    ("grpo_fast.sandbox", ("grpo_fast.trainer", "grpo_fast.rewards", "grpo_fast.tools", "grpo_fast.tasks")),
+    ("grpo_fast.rewards", ("grpo_fast.trainer", "grpo_fast.tasks", "grpo_fast.tools")),
+    ("grpo_fast.tools", ("grpo_fast.trainer", "grpo_fast.tasks")),
+    ("grpo_fast.tasks", ("grpo_fast.trainer",)),
+    ("grpo_fast.integrations", ("grpo_fast.trainer",)),
+    *((core, SIDES + TOP) for core in CORE),
+    (
+        "grpo_fast.trainer.model",
+        ("grpo_fast.trainer.rollout", "grpo_fast.trainer.update", "grpo_fast.trainer.run", *TOP),
+    ),
+    ("grpo_fast.trainer.rollout", ("grpo_fast.trainer.update", "grpo_fast.trainer.run", *TOP)),
+    ("grpo_fast.trainer.update", ("grpo_fast.trainer.run", *TOP)),
+    ("grpo_fast.trainer.run", TOP),
+]
+LONG_MODULES = {"grpo_fast.sandbox._boot": 900}  # the sandbox bootstrap: one process's setup, in order
+LIMITS = {"grpo_fast.trainer.grpo": 350}
+MAX_LINES = 500
+
+
+def module_files() -> dict:
+    """{dotted module name: path} of every module of grpo_fast."""
+    out = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                parts = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+                out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _type_checking(node) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports_of(path: str, modules: dict) -> set:
+    """The grpo_fast modules that the module at ``path`` can import."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    skipped = {id(n) for block in ast.walk(tree) if _type_checking(block) for n in ast.walk(block)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:  # a submodule by that name, else a name of the module
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in modules else node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("lazy_exports", "LazyModule"):
+            for constant in ast.walk(node):  # the modules named by string
+                if isinstance(constant, ast.Constant) and isinstance(constant.value, str):
+                    found.add(constant.value.split(":")[0])
+    return {name for name in found if name in modules}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict:
+    modules = module_files()
+    return {name: imports_of(path, modules) for name, path in modules.items()}
+
+
+def under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def test_no_import_circle(graph):
+    """No module reaches itself through imports (depth-first search with an explicit path)."""
+    state, circles = {}, []
+
+    def visit(node: str, path: list) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_no_module_imports_a_layer_above_it(graph):
+    bad = [
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for prefix, above in FORBIDDEN
+        if under(module, prefix)
+        for target in targets
+        if any(under(target, a) for a in above)
+    ]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_checks_see_the_imports_they_judge(graph):
+    """The graph holds what the rules read: the trainer's imports, lazy ones included."""
+    assert "grpo_fast.trainer.grpo" in graph["grpo_fast.trainer"]  # lazy_exports
+    assert "grpo_fast.trainer.rollout.engines" in graph["grpo_fast.trainer.grpo"]
+    assert "grpo_fast.trainer.run.evaluation" in graph["grpo_fast.cli"]  # inside a function
+    assert any(under(m, "grpo_fast.trainer.rollout") for m in graph) and all(
+        under(prefix, "grpo_fast") for prefix, _ in FORBIDDEN
+    )
+
+
+def test_the_trainer_sides_are_folders_with_a_docstring_each():
+    """Each side's __init__ says in a paragraph what it holds and what it may import."""
+    for side in SIDES:
+        init = os.path.join(ROOT, *side.split("."), "__init__.py")
+        doc = ast.get_docstring(ast.parse(open(init, encoding="utf-8").read()))
+        assert doc and "May import" in doc, side
+
+
+def test_modules_stay_readable_sizes():
+    over = []
+    for name, path in module_files().items():
+        lines = sum(1 for _ in open(path, encoding="utf-8"))
+        limit = LIMITS.get(name, LONG_MODULES.get(name, MAX_LINES))
+        if lines > limit:
+            over.append(f"{name}: {lines} lines (limit {limit})")
+    assert not over, "\n".join(over)
