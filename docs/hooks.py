@@ -1,9 +1,35 @@
-"""MkDocs hooks (mkdocs.yml's ``hooks:``): the flag table of ``flags.md`` is generated from
-the config, topic by topic as ``grpo-fast train --help`` prints it, so the two cannot differ."""
+"""MkDocs hooks (mkdocs.yml's ``hooks:``): pages generated from the one source of what they say,
+so that the two cannot differ.
+
+- ``index.md`` (the site's home) is README.md, the project's front page, with its links made
+  the site's: ``docs/x.md`` becomes ``x.md``, and a link to another file of the repository (the
+  site holds ``docs/`` only) becomes the path in code.
+- ``flags.md``'s table is generated from the config, topic by topic as ``grpo-fast train
+  --help`` prints it.
+"""
 
 import dataclasses
+import os
+import re
 
 MARKER = "<!-- flags -->"
+README_MARKER = "<!-- README.md -->"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
+
+
+def front_page(readme: str) -> str:
+    """README.md's text as the site's home page (see the module's docstring)."""
+
+    def relink(match):
+        image, label, target = match.groups()
+        if re.match(r"[a-z][a-z0-9+.-]*:|#", target):  # a URL or an anchor: as it is
+            return match.group(0)
+        if target.startswith("docs/"):
+            return f"{image}[{label}]({target.removeprefix('docs/')})"
+        return f"`{target}`" if label in (target, f"`{target}`") else f"{label} (`{target}`)"
+
+    return LINK.sub(relink, readme)
 
 
 def flags_markdown() -> str:
@@ -26,4 +52,7 @@ def flags_markdown() -> str:
 
 
 def on_page_markdown(markdown, page, config, files):
+    if README_MARKER in markdown:
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+            markdown = markdown.replace(README_MARKER, front_page(f.read()))
     return markdown.replace(MARKER, flags_markdown()) if MARKER in markdown else markdown

@@ -1,13 +1,13 @@
 """The documentation: the MkDocs site builds with no warning, every page is in its nav, the
 README stays a front door, and the README's headline numbers are those of the JSON they cite."""
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
 
-import pytest
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +30,8 @@ def test_mkdocs_build_strict(tmp_path):
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (tmp_path / "site" / "index.html").is_file()
+    home = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+    assert "Headline numbers" in home and "README.md" not in home  # the README, rendered (docs/hooks.py)
     # flags.md's table is generated from the config (docs/hooks.py): every field, under its topic
     from grpo_fast.cli import help_topics
 
@@ -138,8 +139,27 @@ def headline_rows(text):
     return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
-def test_headline_numbers_match_their_json(page):
+def test_the_site_home_is_the_readme():
+    """docs/index.md is README.md (docs/hooks.py renders it): one front page, kept once; its
+    links are the site's (into docs/, or a repository file's path in code)."""
+    spec = importlib.util.spec_from_file_location("docs_hooks", os.path.join(DOCS, "hooks.py"))
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    assert read("docs/index.md").strip() == hooks.README_MARKER
+    home = hooks.front_page(read("README.md"))
+    assert headline_rows(home) == headline_rows(read("README.md"))
+    assert "](docs/" not in home and "# run the tests" in home
+    for target in re.findall(r"\]\(([^)#]+)", home):
+        assert target.startswith(("http://", "https://")) or os.path.isfile(os.path.join(DOCS, target)), target
+    sample = "see [docs/ops.md](docs/ops.md), [the policy](SECURITY.md), [x](https://a.b/c) and [y](#z)"
+    assert (
+        hooks.front_page(sample)
+        == "see [docs/ops.md](ops.md), the policy (`SECURITY.md`), [x](https://a.b/c) and [y](#z)"
+    )
+
+
+def test_headline_numbers_match_their_json():
+    page = "README.md"
     rows = headline_rows(read(page))
     cited = []
     for result, number, command, source in rows:
