@@ -28,11 +28,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trainer import realistic_workload  # noqa: E402
+from trainer_bench.workloads import realistic_workload  # noqa: E402
 
 from grpo_fast.bench.measure import machine_info, quantiles  # noqa: E402
-from grpo_fast.trainer import GRPOConfig, GRPOTrainer, step  # noqa: E402
-from grpo_fast.trainer.run import run_log
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo_fast.trainer.run import run_log  # noqa: E402
+from grpo_fast.trainer.update import batch as step  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

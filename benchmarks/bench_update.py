@@ -31,7 +31,7 @@ def worker(fused_linear: bool, steps: int) -> dict:
 
     torch.set_num_threads(1)
     sys.path.insert(0, HERE)
-    from bench_trainer import realistic_workload
+    from trainer_bench.workloads import realistic_workload
 
     path = os.path.join(REPO, "grpo_fast", "bench", "measure.py")
     spec = importlib.util.spec_from_file_location("measure_here", path)

@@ -20,7 +20,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-from bench_trainer import PHASES  # noqa: E402
+from trainer_bench import PHASES  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

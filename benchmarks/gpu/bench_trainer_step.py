@@ -35,7 +35,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-import bench_trainer  # noqa: E402
+from trainer_bench import TRL_ENGINES  # noqa: E402
+from trainer_bench.compare import compare, runnable  # noqa: E402
+from trainer_bench.report import print_results  # noqa: E402
+from trainer_bench.workloads import realistic_workload, tiny_workload  # noqa: E402
 
 from grpo_fast.bench.measure import machine_info  # noqa: E402
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer  # noqa: E402
@@ -111,20 +114,20 @@ def against_trl(dry_run: bool, device: str, steps: int, deadline: float) -> dict
     """grpo_fast's step against TRL's (module docstring) on bench_trainer.py's realistic workload
     (its tiny one on a dry run), rows started before ``deadline`` (``time.monotonic()``)."""
     with_vllm = importlib.util.find_spec("vllm") is not None
-    engines, skipped = bench_trainer.runnable(["vllm", "trl_vllm"] if with_vllm else ["sampler", "trl"])
-    for engine in set(skipped) & set(bench_trainer.TRL_ENGINES):
+    engines, skipped = runnable(["vllm", "trl_vllm"] if with_vllm else ["sampler", "trl"])
+    for engine in set(skipped) & set(TRL_ENGINES):
         skipped[engine] += ": carry its wheels (benchmarks/gpu/README.md)"
     if not with_vllm:
         why = "vllm not installed (its CUDA wheel is over the carry limit): the sampler and HF generate rows stand in"
         skipped.update(vllm=why, trl_vllm=why)
     for engine, why in skipped.items():
         print(f"trainer vs TRL: skipping {engine}: {why}", flush=True)
-    work = (bench_trainer.tiny_workload if dry_run else bench_trainer.realistic_workload)(argparse.Namespace(seed=0))
+    work = (tiny_workload if dry_run else realistic_workload)(argparse.Namespace(seed=0))
     # one thread on the dry run's CPU, as bench_trainer.py; on CUDA torch's default for the host side
     threads = 1 if dry_run else torch.get_num_threads()
     options = dict(steps=steps, threads=threads, seed=0, device=device, trl_as_shipped=False)
-    results, versions = bench_trainer.compare(work, engines, options, rounds=1, warmup=1, deadline=deadline)
-    bench_trainer.print_results(results)
+    results, versions = compare(work, engines, options, rounds=1, warmup=1, deadline=deadline)
+    print_results(results)
     return dict(
         workload=work.name,
         model=work.description,
