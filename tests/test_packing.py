@@ -1,4 +1,4 @@
-"""Padding-free training (grpo_fast/trainer/packing.py): packed and padded steps agree.
+"""Padding-free training (grpo_fast/trainer/model/packing.py): packed and padded steps agree.
 
 The truth is the padded computation the trainer used before packing: the model on the
 left-padded [N, P + C] batch with its attention mask, logits at the completion positions,

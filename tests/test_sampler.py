@@ -1,4 +1,4 @@
-"""The sampler engine (grpo_fast/trainer/generators/sampler.py) and its token sampling.
+"""The sampler engine (grpo_fast/trainer/rollout/engines/sampler.py) and its token sampling.
 
 The model is the demo's tiny Llama (vocabulary 15), freshly initialised: its distributions
 are spread enough that samples differ and EOS comes at varied positions.

@@ -19,7 +19,6 @@ correction on, on the plain and on the fused LM head.
 """
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer.model import packed_policy
 from grpo_fast.trainer.model.build import reference_context
 from grpo_fast.trainer.model.packing import pack_micro_batches, to_grid
-from grpo_fast.trainer.update.metrics import log_line
+from grpo_fast.trainer.update.metrics import PhaseClock, log_line
 
 C = 8  # max_new_tokens: the demo model's rollouts fill 1 to 8 completion tokens
 
@@ -286,7 +285,7 @@ def test_token_counts_are_the_model_tokens(tmp_path):
         0,
         batch,
         [],
-        time.perf_counter(),
+        PhaseClock(trainer.runtime.device),
         trainer.runtime,
         learning_rate=0.0,
         extra={},

@@ -99,14 +99,14 @@ def test_a_rollout_longer_than_the_engine_context_is_refused(engine):
     (which ``check_model`` cannot see without max_prompt_length) is refused when sampled, so at
     a trainer's first rollout, before any update; the error names the fix. The shared engine
     stands in for a trainer's: a fresh engine would start only to refuse."""
-    config = engine.config
+    settings = engine.settings
     assert engine.llm.llm_engine.model_config.max_model_len == CONTEXT
-    engine.config = dataclasses.replace(config, max_new_tokens=CONTEXT - 3)
+    engine.settings = dataclasses.replace(settings, max_new_tokens=CONTEXT - 3)
     try:
         with pytest.raises(ValueError, match=f"a prompt of 4 tokens .* exceeds the engine's max_model_len {CONTEXT}"):
             engine.generate(PROMPTS, 4, list(range(6)))
     finally:
-        engine.config = config
+        engine.settings = settings
 
 
 def test_turns_continue_from_token_ids(engine):
@@ -120,7 +120,7 @@ def test_turns_continue_from_token_ids(engine):
     turns = ScriptedTurns(stop, suffix)
     out = engine.generate(PROMPTS[:2], 4, [0, 1], turns=turns)
     C = out.completion_mask.shape[1]
-    assert sum(turns.answered.values()) > 0 and C <= engine.config.max_new_tokens
+    assert sum(turns.answered.values()) > 0 and C <= engine.settings.max_new_tokens
     sampled = out.completion_mask.bool()
     real = out.attention_mask[:, -C:].bool()
     assert bool((sampled <= real).all()) and bool((real & ~sampled).any())  # suffix tokens: context, not loss

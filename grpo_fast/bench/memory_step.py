@@ -117,7 +117,7 @@ def worker(spec: dict) -> dict:
         held += list(trainer.reference.parameters())
     optimizer_states = [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
     micro = min(spec["micro_batch"] or N, N // ranks.world_size)  # rows per forward on this rank
-    logits_dtype = torch.float32 if trainer.runtime.half_weights is None else trainer.runtime.half_weights
+    logits_dtype = trainer.runtime.dtype
     logits = 0 if name == "grpo_fused_linear" else micro * (C + 1) * V * logits_dtype.itemsize
     states = dict(
         params_bytes=_state_bytes({id(p): p for p in held}.values()),  # tied weights once

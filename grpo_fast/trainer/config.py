@@ -318,7 +318,7 @@ class GRPOConfig(LossConfig):
     @classmethod
     def from_dict(cls, values: dict) -> "GRPOConfig":
         """Builds and validates a config; TRL's names of our settings are taken as ours
-        (:data:`TRL_ALIASES`), and unknown keys are a ValueError that names them."""
+        (``trl_names.TRL_ALIASES``), and unknown keys are a ValueError that names them."""
         values = from_trl_names(values)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)

@@ -1,6 +1,6 @@
 """Rollout sources: where a step's samples come from.
 
-A source is the seam for *where* sampling runs; an engine (``generators/``) is the seam for
+A source is the seam for *where* sampling runs; an engine (``engines/``) is the seam for
 *how*. The trainer asks its source for the next batch from its data position, and hands it the
 new weights after each optimizer step:
 
@@ -9,7 +9,7 @@ new weights after each optimizer step:
     source.publish(policy, version + 1)          # after the optimizer step
 
 Two sources exist: :class:`InProcessRollouts` samples in the trainer's process when asked
-(the synchronous loop), and ``AsyncRollouts`` (``async_rollout.py``) samples in a worker
+(the synchronous loop), and ``AsyncRollouts`` (``worker.py``) samples in a worker
 process ahead of the trainer (``max_staleness`` >= 1). Either returns the same kind of
 :class:`~grpo_fast.trainer.rollout.samples.Samples`, so the step never asks which one it has.
 """

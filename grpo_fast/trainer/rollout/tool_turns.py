@@ -1,6 +1,6 @@
 """The tool loop of a multi-turn rollout: between two turns of the model, its tool calls run.
 
-It sits inside the rollout stage, under the engine (``generators/``), which calls it whenever
+It sits inside the rollout stage, under the engine (``engines/``), which calls it whenever
 every row of its batch has ended a turn:
 
     engine.generate(prompts, G, keys, turns=loop(N))       # loop = ToolLoop(template, config)

@@ -27,7 +27,7 @@ waits only in the rare case that the worker is still copying from that slot (one
 worker reads the newest slot and the version stored with it.
 
 The correction: a worker's batch always carries its ``sampling_logprobs``, so the trainer
-corrects it as it corrects the vllm engine's batches (``step.py``): the step's first training
+corrects it as it corrects the vllm engine's batches (``update/passes.py``): the step's first training
 pass computes the sampled tokens' log-probs under the weights the step starts with (the
 proximal policy: the clip's old log-probs) and weighs each token's (or sequence's) policy term
 by the bounded ratio proximal / sampling, the loss spec's
