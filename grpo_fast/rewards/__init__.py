@@ -9,7 +9,7 @@ from grpo_fast.rewards.code import code_reward, extract_code
 from grpo_fast.rewards.format import DEFAULT_FORMAT, format_reward
 from grpo_fast.rewards.math_answer import answers_match, extract_answer, math_reward
 from grpo_fast.rewards.overlong import overlong_penalty
-from grpo_fast.rewards.sandbox import SandboxLimits, SandboxResult, run_python
+from grpo_fast.sandbox import SandboxLimits, SandboxResult, run_python
 
 # The reward functions among the names below, which a config may name; the rest are their
 # building blocks (decorators, checks, answer extraction, the sandbox).

@@ -21,7 +21,7 @@ few standard modules, or defined by the tests or `setup` (a ValueError says whic
 missing, rather than letting the program define, say, the `poly` that checks it). Without
 one (assert lists), the names the tests use and do not define come from the program.
 
-The verdict is made outside the sandbox (`_code_harness`): the program only answers calls
+The verdict is made outside the sandbox (`grpo_fast.sandbox`'s judge): the program only answers calls
 of its functions with plain values, and the tests, with their expected values, run in the
 trusted bootstrap. Whatever the program does to its own interpreter or output, it scores
 only the tests its answers pass.
@@ -35,9 +35,8 @@ import re
 import symtable
 from concurrent.futures import ThreadPoolExecutor
 
-from grpo_fast.rewards._code_harness import JUDGE_MODULES
 from grpo_fast.rewards.base import check_batch, completion_texts
-from grpo_fast.rewards.sandbox import SandboxLimits, run_judged, run_python
+from grpo_fast.sandbox import JUDGE_MODULES, SandboxLimits, run_judged, run_python
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
 

@@ -1,6 +1,6 @@
 """The built-in `python` tool: run a program the model wrote, in the project's code sandbox.
 
-Each call is a fresh interpreter (`grpo_fast.rewards.sandbox.run_python`: separate process,
+Each call is a fresh interpreter (`grpo_fast.sandbox.run_python`: separate process,
 namespaces where the kernel allows, resource limits; SECURITY.md says what it guarantees), so
 calls are stateless: nothing one defines is there in the next. The limits are tighter than the
 code reward's (`LIMITS`): a tool call is one step of a rollout that many others wait on.
@@ -15,7 +15,7 @@ code_reward's default) makes run_tool_calls hold the process to that many at onc
 import os
 import re
 
-from grpo_fast.rewards.sandbox import SandboxLimits, run_python
+from grpo_fast.sandbox import SandboxLimits, run_python
 
 # A few seconds, a small memory (numpy and sympy still import: 128 MiB of address space per
 # process without a cgroup), a few processes, and output kept small: the model reads at most
@@ -25,7 +25,7 @@ LIMITS = SandboxLimits(wall_time_s=5.0, memory_bytes=512 << 20, max_processes=4,
 OUTPUT_CHARS = 4_000
 # The sandbox's bootstrap runs the program from its own frame; the model should see the
 # traceback of its program as `python -c` would print it, without that frame or the host's paths.
-_BOOT_FRAME = re.compile(r'^  File "[^"\n]*_sandbox_boot\.py", line \d+, in \w+\n(?:    .*\n)?', re.MULTILINE)
+_BOOT_FRAME = re.compile(r'^  File "[^"\n]*_boot\.py", line \d+, in \w+\n(?:    .*\n)?', re.MULTILINE)
 
 
 def python(code: str) -> str:

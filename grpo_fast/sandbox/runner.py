@@ -1,6 +1,6 @@
-"""Run an untrusted Python program in a separate, limited, isolated process.
+"""The caller's side of the sandbox: its limits, its result, and the run of one bootstrap.
 
-`run_python(program, files=..., stdin=...)` starts `_sandbox_boot.py` in a new session,
+`run_python(program, files=..., stdin=...)` starts `_boot.py` in a new session,
 which puts the program in new PID, network, IPC and mount namespaces (as root directly,
 otherwise inside an unprivileged user namespace), with a read-only view of the system,
 a size-capped tmpfs scratch dir, resource limits, no privileges and a wall-clock limit.
@@ -25,11 +25,9 @@ from dataclasses import asdict, dataclass, replace
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The bootstrap is imported as a module (so its bytecode is cached) from this directory,
-# which is taken off sys.path again before any program runs: a program's `import code`
-# must find the standard library's module, not ours.
-_BOOT_COMMAND = (
-    f"import sys; sys.path.insert(0, {_HERE!r}); import _sandbox_boot; del sys.path[0]; _sandbox_boot.main()"
-)
+# which is taken off sys.path again before any program runs: a program's imports must find
+# its own modules and the standard library's, never the sandbox's (`import runner`, say).
+_BOOT_COMMAND = f"import sys; sys.path.insert(0, {_HERE!r}); import _boot; del sys.path[0]; _boot.main()"
 # A root caller runs each sandbox as uid UID_BASE + slot, the slot unique among this
 # process's concurrent runs: a uid that owns no file and no other process, so that
 # RLIMIT_NPROC counts only that sandbox's processes and it can signal no one. Separate
@@ -150,7 +148,7 @@ def run_judged(
 ) -> SandboxResult:
     """Run `program` in the sandbox and its tests outside it; `passed` counts the tests passed.
 
-    tests: the judge's spec, as `code.normalize_tests` makes it (see `_code_harness.judge`):
+    tests: the judge's spec, as `rewards.code.normalize_tests` makes it (see `_judge.judge`):
         {"kind": "asserts" | "check", "asserts" | "test": ..., "setup": str,
         "entry_point": str | None, "names": [str]}. `setup` runs before the program, in the
         sandbox and in the judge.

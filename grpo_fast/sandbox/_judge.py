@@ -1,6 +1,6 @@
 """code_reward's test protocol: the program answers calls, a judge outside the sandbox decides.
 
-Two processes take part (`_sandbox_boot.py` starts both):
+Two processes take part (`_boot.py` starts both):
 - the sandboxed child runs the trusted `setup`, then the program, then `serve`s the judge's
   requests on a pipe: what the names used by the tests are bound to, and calls of the
   program's functions with given arguments;
