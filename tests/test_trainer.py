@@ -5,6 +5,7 @@ takes tens of milliseconds; the full default demo run is in tests/test_cli.py.
 """
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -420,9 +421,12 @@ def test_a_raising_reward_stops_the_run_with_its_name(tmp_path):
 # ---------------------------------------------------------------- seams
 
 
-def test_every_loss_option_reaches_the_loss(tmp_path):
+def test_every_loss_option_reaches_the_loss(tmp_path, monkeypatch):
     """dual_clip, SAPO's temperatures and the bias-corrected KL are config keys, read by the
-    trainer as one LossConfig."""
+    trainer as one LossConfig, and that config is what every loss call of a step gets: its
+    values there differ from the default loss's on the same inputs, so the options count."""
+    from grpo_fast.trainer.model import packed_policy
+
     config = small_config(tmp_path, loss_type="sapo", sapo_tau_pos=2.0, sapo_tau_neg=0.5, kl_bias_correction=True)
     trainer = GRPOTrainer(config)
     assert trainer.loss_config == grpo_fast.LossConfig(
@@ -433,7 +437,18 @@ def test_every_loss_option_reaches_the_loss(tmp_path):
         kl_bias_correction=True,
         max_completion_length=config.max_new_tokens,
     )
+    calls, policy_loss = [], packed_policy.policy_loss
+
+    def recorded(*args, loss_config, **kwargs):
+        out = policy_loss(*args, loss_config=loss_config, **kwargs)
+        default = dataclasses.replace(loss_config, loss_type="grpo", kl_bias_correction=False)
+        calls.append((loss_config, out.loss.item(), policy_loss(*args, loss_config=default, **kwargs).loss.item()))
+        return out
+
+    monkeypatch.setattr(packed_policy, "policy_loss", recorded)
     trainer.train_step()
+    assert calls and all(used == trainer.loss_config for used, _, _ in calls)
+    assert any(abs(loss - plain) > 1e-6 for _, loss, plain in calls), calls
 
 
 def test_trainer_leaves_its_callers_state_alone(tmp_path):
