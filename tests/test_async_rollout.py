@@ -182,8 +182,9 @@ def test_stale_batches_train_on_the_float64_reference_loss_with_the_correction(
             expected = torch.cat([p.grad.flatten() for p in policy.parameters()])
             assert rel_err(gradient, expected) < 1e-4
         assert metrics["sampling/importance_sampling_ratio/max"] <= 1.02 + 1e-6
-        assert metrics["rollout_wait_s"] >= 0 and metrics["worker_weight_wait_s"] >= 0
     assert clipped > 0  # the cap was reached: the correction is exercised, not all ones
+    first = records[0][1]  # the worker starts at the first request: the trainer waits out its rollout
+    assert first["rollout_wait_s"] >= first["worker_rollout_s"] > 0, first
 
 
 def test_the_worker_computes_sampling_and_reference_log_probs_as_the_trainer_would(tmp_path):
