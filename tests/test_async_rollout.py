@@ -187,16 +187,24 @@ def test_stale_batches_train_on_the_float64_reference_loss_with_the_correction(
     assert first["rollout_wait_s"] >= first["worker_rollout_s"] > 0, first
 
 
-def test_the_worker_computes_sampling_and_reference_log_probs_as_the_trainer_would(tmp_path):
+@pytest.mark.parametrize("shared_prefix", [False, True], ids=["whole-rows", "shared-prefix"])
+def test_the_worker_computes_sampling_and_reference_log_probs_as_the_trainer_would(tmp_path, shared_prefix):
     """What the worker computes beside its samples, with the trainer's packing, on a named
     device. The Hugging Face engine returns no log-probs: the worker computes the sampling
     log-probs with a forward under the weights that sampled, so a fresh batch's weights are 1.
     With beta != 0 the worker computes the reference log-probs of its batch's first
     micro-batches for as long as the trainer has not asked for that batch: none of the first
     (the trainer waits for it), all of the second while the trainer's step is slow. Either way
-    they are the values the trainer computes itself (the same packed micro-batches)."""
+    they are the values the trainer computes itself (the same packed micro-batches, each
+    group's prompt once in both with ``shared_prefix``)."""
     config = small_config(
-        tmp_path, max_staleness=1, generator="hf", generation_device="cpu", beta=0.04, micro_batch_size=4
+        tmp_path,
+        max_staleness=1,
+        generator="hf",
+        generation_device="cpu",
+        beta=0.04,
+        micro_batch_size=4,
+        shared_prefix=shared_prefix,
     )
     trainer = GRPOTrainer(config)
     publish = trainer.source.publish
@@ -220,6 +228,7 @@ def test_the_worker_computes_sampling_and_reference_log_probs_as_the_trainer_wou
                     batch.completion_mask,
                 )
             assert len(batch.micro_batches) == 4 and torch.equal(batch.ref_logprobs, own)
+            assert all((p.prefix is not None) == shared_prefix for p in batch.micro_batches)
         worker = trainer.source.process
     finally:
         trainer.close()

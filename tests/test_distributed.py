@@ -64,6 +64,7 @@ def gradient_cases() -> list:
         case(importance_sampling="sequence")
         case(advantage_scale="batch")  # the batch std is the global batch's
         case(lora_r=4, gradient_checkpointing=True)
+        case(batch="float32", shared_prefix=True)  # float32: Llama's norm rounds the shared prompt's sum once
     return cases
 
 

@@ -129,6 +129,8 @@ def test_packed_step_equals_padded_step_with_lora(tmp_path, case):
 def test_fused_linear_packed_equals_padded(tmp_path):
     trainer = float64_trainer(tmp_path, fused_linear=True)
     assert_packed_equals_padded(trainer)
+    metrics, batch = trainer.run_step()  # every row whole: the body runs every real token
+    assert metrics["forward_tokens"] == batch.samples.attention_mask.sum().item() and metrics["prefix_saved"] == 0
 
 
 def test_pack_layout():

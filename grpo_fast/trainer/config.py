@@ -201,10 +201,8 @@ class GRPOConfig(LossConfig):
         "token budget (prompt + completion) of one packed forward/backward; None = the whole batch",
         topic=OPTIM,
     )
-    micro_batch_size: int | None = option(
-        None, "at most this many sequences per forward/backward; None = no limit", topic=OPTIM
-    )
-
+    micro_batch_size: int | None = option(None, "at most this many sequences per forward/backward", topic=OPTIM)
+    shared_prefix: bool = option(False, "each group's prompt once per packed forward (not flash-attn)", topic=SPEED)
     precision: str = option("auto", "auto = bf16 autocast on CUDA, fp32 on CPU; or bf16, fp32", topic=SPEED)
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory", topic=SPEED)
     fused_linear: bool = option(

@@ -23,6 +23,18 @@ the loss takes them as flat rows with their sequence boundaries ``completion_cu_
 no padding anywhere. Only per-token values that a rollout stores (log-probs [N, C]) go to
 the rows' [n, C] completion grid (:func:`to_grid`), which costs O(n * C).
 
+With ``group_size`` G (``--shared-prefix``) a GRPO group's G rows, which share their prompt,
+pack as one unit ``[prompt | completion_1 | ... | completion_g]``: the prompt runs through the
+model once per micro-batch instead of G times (a group a micro-batch boundary splits carries
+its prompt on both sides). A completion's positions continue from the prompt's length, as
+unshared; the prompt's last token predicts every completion's first (``logit_index`` repeats
+it); :func:`packed_sdpa` attends each prompt causally to itself and each completion to its
+prompt and causally to itself, never to another completion (:class:`SharedPrefix`: two SDPA
+calls on gathered grids, no S x S mask). The outputs and gradients are those of the whole
+rows: the prompt's gradient is the sum over its completions (tests/test_shared_prefix.py, to
+1e-10 in float64). flash-attention's varlen kernel cannot take the layout, so those models
+pack whole rows (:func:`shared_group_size`).
+
 A row's extent is its attention mask, never its completion mask: in a multi-turn rollout a
 completion interleaves the model's tokens with a tool's output, whose tokens are real (context
 for every forward pass: attention 1) but out of the loss (completion_mask 0, so that mask is no
@@ -32,9 +44,12 @@ completion mask, which gives them weight 0 (``step.loss_inputs``; tests/test_too
 """
 
 import contextlib
+import logging
 from typing import NamedTuple
 
 import torch
+
+logger = logging.getLogger("grpo_fast")
 
 PACKED_ATTENTION = "grpo_fast_packed_sdpa"
 
@@ -58,13 +73,44 @@ class Packed(NamedTuple):
     completion_cu_seqlens: torch.Tensor
     grid: tuple
     grid_shape: tuple
+    prefix: "SharedPrefix | None" = None
 
 
-def row_lengths(attention_mask: torch.Tensor, num_completion_tokens: int) -> list:
+class SharedPrefix(NamedTuple):
+    """The attention layout of a shared-prefix pack (``pack(..., group_size=G)``): U units
+    ``[prompt | completion_1 | ... | completion_g]``, M completions among them, as the index
+    maps :func:`packed_sdpa` gathers with (all built once per micro-batch, with the pack).
+
+    prompt_reads [U * Pmax]: packed positions of each unit's prompt on a [U, Pmax] grid;
+    query_reads [M * Rmax]: of each completion on a [M, Rmax] grid; key_reads
+    [M * (Pmax + Rmax)]: its unit's prompt then itself; key_mask [M, 1, Rmax, Pmax + Rmax]:
+    the keys a completion's query sees (its prompt, then itself causally); slots [S]: each
+    packed token's place in the prompt grid followed by the completion grid.
+    """
+
+    prompt_reads: torch.Tensor
+    longest_prompt: int
+    query_reads: torch.Tensor
+    key_reads: torch.Tensor
+    key_mask: torch.Tensor
+    slots: torch.Tensor
+
+
+def row_lengths(
+    attention_mask: torch.Tensor, num_completion_tokens: int, input_ids=None, group_size: int | None = None
+) -> list:
     """``[(real tokens, prompt tokens)]`` of each row of a padded rollout, read to the host once:
-    what :func:`pack` and the micro-batch split need to know on the host."""
+    what :func:`pack` and the micro-batch split need to know on the host. With ``input_ids``
+    and ``group_size`` G, ``[(real, prompt, same)]``: ``same`` whether the row's prompt is its
+    group's first row's (rows ``G * k`` on), in the same read."""
     P = attention_mask.shape[1] - num_completion_tokens
-    return torch.stack([attention_mask.sum(1), attention_mask[:, :P].sum(1)], 1).long().tolist()
+    columns = [attention_mask.sum(1), attention_mask[:, :P].sum(1)]
+    if group_size is not None:
+        if attention_mask.shape[0] % group_size:
+            raise ValueError(f"group_size={group_size} must divide the rollout's {attention_mask.shape[0]} rows")
+        prompts = (input_ids[:, :P] * attention_mask[:, :P]).view(-1, group_size, P)
+        columns.append((prompts == prompts[:, :1]).all(2).view(-1))
+    return torch.stack(columns, 1).long().tolist()
 
 
 def pack(
@@ -73,11 +119,17 @@ def pack(
     num_completion_tokens: int,
     rows: slice,
     lengths: list | None = None,
+    group_size: int | None = None,
 ) -> Packed:
     """Packs rows ``rows`` of a padded rollout: input_ids and attention_mask [N, P + C], the
     last C = ``num_completion_tokens`` columns the completions. A row's real tokens are
     those of its attention mask, in order. ``lengths``: the rows' :func:`row_lengths`, if
-    already on the host (else read here)."""
+    already on the host (else read here).
+
+    ``group_size`` G: rows ``G * k`` to ``G * k + G - 1`` of the rollout share their prompt
+    (GRPO's groups), which is then packed once per group and micro-batch, as
+    ``[prompt | completion_1 | ... | completion_g]`` (see :class:`SharedPrefix`); None packs
+    every row whole."""
     ids, real = input_ids[rows], attention_mask[rows].bool()
     n, L = ids.shape
     C = num_completion_tokens
@@ -85,30 +137,114 @@ def pack(
         lengths = row_lengths(attention_mask[rows], C)
     if any(prompt == 0 and total > 0 for total, prompt in lengths):
         raise ValueError("every row needs at least one prompt token: the first completion token is predicted from it")
-    S = sum(total for total, _ in lengths)
-    Nc = S - sum(prompt for _, prompt in lengths)
+    if not any(total > prompt for total, prompt in lengths):
+        group_size = None  # no completion token to share a prompt for
+    units = _units(rows, lengths, group_size)  # [(first row, rows)] in this micro-batch
+    prompts = [lengths[first][1] for first, _ in units]
+    completion_lengths = [total - prompt for total, prompt in lengths]
+    Nc = sum(completion_lengths)
+    S = Nc + sum(prompts) if group_size is not None else sum(total for total, _ in lengths)
     # The real tokens' flat positions [S]; their count is known on the host, so finding them
-    # needs no device-to-host read (nonzero_static, not a boolean index).
-    flat = torch.nonzero_static(real.reshape(-1), size=S).squeeze(1)
+    # needs no device-to-host read (nonzero_static, not a boolean index). Shared: a unit's
+    # later rows keep their completion tokens only.
+    keep = real.clone()
+    if group_size is not None:
+        later = torch.ones(n, dtype=torch.bool)
+        later[[first for first, _ in units]] = False
+        keep[later.to(ids.device), : L - C] = False
+    flat = torch.nonzero_static(keep.reshape(-1), size=S).squeeze(1)
     columns, row_of = flat % L, flat // L  # [S] each token's padded column and row
     # [Nc] packed positions of completion tokens (a row's completion tokens follow its prompt's)
     completion = torch.nonzero_static(columns >= L - C, size=Nc).squeeze(1)
-    cu_seqlens = torch.tensor([0] + [total for total, _ in lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    completion_lengths = [total - prompt for total, prompt in lengths]
+    if group_size is None:
+        sequences, logit_index, prefix = [total for total, _ in lengths], completion - 1, None
+    else:
+        sequences = [p + sum(completion_lengths[r] for r in members) for p, (_, members) in zip(prompts, units)]
+        logit_index, prefix = _shared_layout(units, prompts, completion_lengths, completion, ids.device)
+    cu_seqlens = torch.tensor([0] + sequences, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     completion_cu = torch.tensor([0] + completion_lengths, dtype=torch.int64).cumsum(0)
     packed_ids = ids.reshape(-1)[flat].unsqueeze(0)
     return Packed(
         rows=rows,
         input_ids=packed_ids,
+        # A completion's positions continue from its prompt's length, shared or not.
         position_ids=(real.cumsum(1) - 1).reshape(-1)[flat].unsqueeze(0),
         cu_seqlens=cu_seqlens.to(ids.device),
-        max_length=max((total for total, _ in lengths), default=0),
+        max_length=max(sequences, default=0),
         targets=packed_ids[:, completion],
-        logit_index=completion - 1,
+        logit_index=logit_index,
         completion_cu_seqlens=completion_cu.to(ids.device),
         grid=(row_of[completion], columns[completion] - (L - C)),
         grid_shape=(n, C),
+        prefix=prefix,
     )
+
+
+def _units(rows: slice, lengths: list, group_size: int | None) -> list:
+    """``[(first row, [rows])]`` (indices within the slice) of the packed units: each row alone,
+    or with ``group_size`` the runs of rows of one group (a group the micro-batch splits gives
+    a unit on each side)."""
+    if group_size is None:
+        return [(i, [i]) for i in range(len(lengths))]
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    units = {}
+    for i in range(len(lengths)):
+        units.setdefault((rows.start + i) // group_size, []).append(i)
+    for members in units.values():
+        if len({lengths[i][1] for i in members}) > 1:
+            raise ValueError(
+                f"group_size={group_size}: rows {[rows.start + i for i in members]} of one group have prompts of "
+                f"different lengths {[lengths[i][1] for i in members]}; a group's rows must share their prompt"
+            )
+    return [(members[0], members) for members in units.values()]
+
+
+def _shared_layout(units: list, prompts: list, completion_lengths: list, completion, device):
+    """The logit index [Nc] of a shared-prefix pack (a completion's first token is predicted by
+    its unit's last prompt token) and its :class:`SharedPrefix`, from the host's lengths."""
+    prompt_starts, query_starts, query_units, start = [], [], [], 0
+    for u, (prompt, (_, members)) in enumerate(zip(prompts, units)):
+        prompt_starts.append(start)
+        start += prompt
+        for r in members:
+            query_starts.append(start)
+            query_units.append(u)
+            start += completion_lengths[r]
+    U, M = len(units), len(query_starts)
+    longest_prompt, longest = max(prompts, default=0), max(completion_lengths, default=0)
+    S = start
+    arange = torch.arange
+    prompt_starts_t = torch.tensor(prompt_starts, dtype=torch.long)
+    prompt_reads = (prompt_starts_t[:, None] + arange(longest_prompt)).clamp(max=max(S - 1, 0))
+    query_starts_t, query_units_t = torch.tensor(query_starts, dtype=torch.long), torch.tensor(query_units)
+    query_reads = (query_starts_t[:, None] + arange(longest)).clamp(max=max(S - 1, 0))
+    key_reads = torch.cat([prompt_reads[query_units_t], query_reads], 1)  # [M, Pmax + Rmax]
+    prompt_seen = arange(longest_prompt) < torch.tensor(prompts)[query_units_t][:, None]  # [M, Pmax]
+    own_seen = arange(longest)[None, :] <= arange(longest)[:, None]  # [Rmax, Rmax]: causal
+    key_mask = torch.cat([prompt_seen[:, None, :].expand(M, longest, longest_prompt), own_seen.expand(M, -1, -1)], 2)
+    lengths = [completion_lengths[r] for _, members in units for r in members]  # [M]
+    slots = torch.empty(S, dtype=torch.long)
+    for u, (begin, prompt) in enumerate(zip(prompt_starts, prompts)):
+        slots[begin : begin + prompt] = u * longest_prompt + arange(prompt)
+    for m, (begin, length) in enumerate(zip(query_starts, lengths)):
+        slots[begin : begin + length] = U * longest_prompt + m * longest + arange(length)
+    lengths = torch.tensor(lengths, dtype=torch.long)
+    # Each completion's first token comes from its unit's last prompt position; the others
+    # from the position before them, as unshared.
+    firsts = torch.tensor([0] + lengths.tolist()).cumsum(0)[:-1][lengths > 0]
+    logit_index = completion - 1
+    last_prompt = (prompt_starts_t + torch.tensor(prompts) - 1)[query_units_t][lengths > 0]
+    logit_index = logit_index.index_put((firsts.to(device),), last_prompt.to(device))
+    prefix = SharedPrefix(
+        prompt_reads=prompt_reads.reshape(-1).to(device),
+        longest_prompt=longest_prompt,
+        query_reads=query_reads.reshape(-1).to(device),
+        key_reads=key_reads.reshape(-1).to(device),
+        key_mask=key_mask[:, None].to(device),
+        slots=slots.to(device),
+    )
+    return logit_index, prefix
 
 
 def micro_batches(lengths: list, max_tokens: int | None, max_rows: int | None) -> list:
@@ -127,15 +263,45 @@ def micro_batches(lengths: list, max_tokens: int | None, max_rows: int | None) -
 
 
 def pack_micro_batches(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int, max_tokens, max_rows
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion_tokens: int,
+    max_tokens,
+    max_rows,
+    group_size: int | None = None,
 ) -> list:
     """A padded rollout's rows (input_ids and attention_mask [N, P + C]) packed into the
     :func:`micro_batches` of at most ``max_tokens`` tokens and ``max_rows`` rows, one read of
-    the rows' lengths to the host: a :class:`Packed` each. A function of the tokens and the
-    limits alone, so that a rollout worker packs a batch as the trainer will."""
-    lengths = row_lengths(attention_mask, num_completion_tokens)
+    the rows' lengths to the host: a :class:`Packed` each, each group's prompt once with
+    ``group_size`` (see :func:`pack`). A function of the tokens and the limits alone, so that
+    a rollout worker packs a batch as the trainer will. The micro-batches are the same rows
+    either way (the budget counts every row's prompt)."""
+    lengths = row_lengths(attention_mask, num_completion_tokens, input_ids if group_size else None, group_size)
+    if group_size is not None:
+        different = [i for i, (_, _, same) in enumerate(lengths) if not same]
+        if different:
+            raise ValueError(
+                f"group_size={group_size}: rows {different[:8]} have another prompt than their group's first row; "
+                "shared-prefix packing needs each group's G rows consecutive"
+            )
+        lengths = [(total, prompt) for total, prompt, _ in lengths]
     slices = micro_batches([total for total, _ in lengths], max_tokens, max_rows)
-    return [pack(input_ids, attention_mask, num_completion_tokens, rows, lengths[rows]) for rows in slices]
+    return [pack(input_ids, attention_mask, num_completion_tokens, rows, lengths[rows], group_size) for rows in slices]
+
+
+def shared_group_size(config, model) -> int | None:
+    """The ``group_size`` that packs ``model``'s passes with each group's prompt once
+    (``config.shared_prefix``), or None: off, or the model attends with flash-attention, whose
+    varlen kernel would let a completion see its group's other completions (logged once)."""
+    if not config.shared_prefix:
+        return None
+    implementation = model.config._attn_implementation or ""
+    if implementation.startswith("flash_attention"):
+        if not getattr(model.config, "_grpo_fast_no_shared_prefix", False):
+            model.config._grpo_fast_no_shared_prefix = True
+            logger.info("shared_prefix: %s cannot take the shared layout; every row is packed whole", implementation)
+        return None
+    return config.group_size
 
 
 def to_grid(values: torch.Tensor, packed: Packed) -> torch.Tensor:
@@ -170,6 +336,11 @@ def packed_sdpa(
             "packed_sdpa computes full causal attention; a model with a sliding window or logit softcapping needs "
             "attn_implementation='flash_attention_2' for packed sequences"
         )
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if kwargs.get("shared_prefix") is not None:
+        return _shared_prefix_sdpa(query, key, value, kwargs["shared_prefix"], dropout, scaling), None
     starts = cu_seq_lens_q[:-1].long()
     lengths = cu_seq_lens_q.diff().long()
     (heads, S, d), n, longest = query.shape[1:], len(lengths), max_length_q
@@ -182,13 +353,35 @@ def packed_sdpa(
     def grid(x):  # [1, h, S, d] -> [n, h, longest, d]
         return x[0].index_select(1, reads).view(x.shape[1], n, longest, d).transpose(0, 1)
 
-    groups = heads // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(
         grid(query), grid(key), grid(value), dropout_p=dropout, is_causal=True, scale=scaling
     )  # [n, h, longest, d]
     return out.transpose(1, 2).reshape(n * longest, heads, d).index_select(0, slots).unsqueeze(0), None
+
+
+def _shared_prefix_sdpa(query, key, value, prefix: SharedPrefix, dropout: float, scaling):
+    """Attention of a shared-prefix pack: each prompt causally over itself on a [U, Pmax] grid,
+    each completion over its prompt's keys and causally over its own on [M, Rmax] queries and
+    [M, Pmax + Rmax] keys, with the mask :func:`pack` built. Every query sees its prompt's first
+    key, so no row of the mask is empty (no NaN, even at the grids' padding, whose outputs are
+    dropped). q/k/v [1, heads, S, d] (k/v already repeated to the query heads); returns
+    [1, S, heads, d]."""
+    heads, d = query.shape[1], query.shape[3]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def grid(x, reads, width):  # [1, h, S, d] -> [rows, h, width, d]
+        return x[0].index_select(1, reads).view(heads, -1, width, d).transpose(0, 1)
+
+    P = prefix.longest_prompt
+    R = prefix.key_mask.shape[2]
+    prompt_q, prompt_k, prompt_v = (grid(x, prefix.prompt_reads, P) for x in (query, key, value))
+    prompt_out = sdpa(prompt_q, prompt_k, prompt_v, dropout_p=dropout, is_causal=True, scale=scaling)
+    keys, values = (grid(x, prefix.key_reads, P + R) for x in (key, value))
+    completion_out = sdpa(
+        grid(query, prefix.query_reads, R), keys, values, attn_mask=prefix.key_mask, dropout_p=dropout, scale=scaling
+    )
+    flat = torch.cat([out.transpose(1, 2).reshape(-1, heads, d) for out in (prompt_out, completion_out)])
+    return flat.index_select(0, prefix.slots).unsqueeze(0)
 
 
 @contextlib.contextmanager
@@ -213,6 +406,7 @@ def packed_attention(model):
 
 def _packed_inputs(packed: Packed) -> dict:
     cu, longest = packed.cu_seqlens, packed.max_length
+    shared = {} if packed.prefix is None else {"shared_prefix": packed.prefix}
     return dict(
         input_ids=packed.input_ids,
         position_ids=packed.position_ids,
@@ -221,6 +415,7 @@ def _packed_inputs(packed: Packed) -> dict:
         cu_seq_lens_k=cu,
         max_length_q=longest,
         max_length_k=longest,
+        **shared,
     )
 
 

@@ -66,7 +66,7 @@ import transformers
 from grpo_fast.tools import ToolTemplate
 from grpo_fast.trainer.model.build import reference_context
 from grpo_fast.trainer.model.packed_policy import PackedPolicy
-from grpo_fast.trainer.model.packing import pack_micro_batches
+from grpo_fast.trainer.model.packing import pack_micro_batches, shared_group_size
 from grpo_fast.trainer.rollout.engines import EngineSettings, make_generator
 from grpo_fast.trainer.rollout.samples import Samples, rollout
 from grpo_fast.trainer.rollout.sources import RolloutSource
@@ -414,6 +414,7 @@ class Worker:
             batch.completion_mask.shape[1],
             config.max_tokens_per_micro_batch,
             config.micro_batch_size,
+            shared_group_size(config, self.generator.model),
         )
 
     def _logprobs(self, micro: list) -> torch.Tensor:

@@ -16,7 +16,7 @@ from grpo_fast import group_advantages
 from grpo_fast.outputs import GroupAdvantages
 from grpo_fast.trainer import distributed
 from grpo_fast.trainer.model.build import reference_context
-from grpo_fast.trainer.model.packing import pack_micro_batches
+from grpo_fast.trainer.model.packing import pack_micro_batches, shared_group_size
 from grpo_fast.trainer.rollout.samples import Samples
 
 
@@ -112,7 +112,12 @@ def batch_fields(samples: Samples, config, modules, policy, reference, runtime) 
     ranks = runtime.ranks
     C = samples.completion_mask.shape[1]
     micro = pack_micro_batches(
-        samples.input_ids, samples.attention_mask, C, config.max_tokens_per_micro_batch, config.micro_batch_size
+        samples.input_ids,
+        samples.attention_mask,
+        C,
+        config.max_tokens_per_micro_batch,
+        config.micro_batch_size,
+        shared_group_size(config, policy),
     )
     ref = None
     if modules.reference is not None and ranks.sum(samples.input_ids.shape[0]):

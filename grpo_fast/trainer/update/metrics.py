@@ -126,6 +126,10 @@ def log_line(
         frac_reward_zero_std=None if batch.stats is None else batch.stats.frac_zero_std,
         completion_len_mean=lengths.mean(),
         tokens=ranks.sum(batch.samples.attention_mask.sum()),
+        # what one pass runs through the model's body: fewer than tokens with shared_prefix
+        forward_tokens=ranks.sum(  # a tensor: summed over ranks without a host read of its own
+            torch.tensor(sum(p.input_ids.shape[1] for p in batch.micro_batches), device=runtime.device)
+        ),
         **{f"rewards/{name}": rewards[:, k].nanmean() for k, name in enumerate(reward_names)},
         **sampling,
         **_tool_metrics(batch.samples.tool_counts, len(table), ranks),
@@ -144,6 +148,8 @@ def log_line(
     metrics.update(
         completion_len_mean=stats["completion_len_mean"] if len(lengths) else None,
         tokens_per_s=stats["tokens"] / elapsed,
+        forward_tokens=stats["forward_tokens"],
+        prefix_saved=1 - stats["forward_tokens"] / stats["tokens"] if stats["tokens"] else 0.0,
         step_time_s=elapsed,
         peak_mem_bytes=ranks.max(peak_memory(runtime.device)),
         learning_rate=learning_rate,

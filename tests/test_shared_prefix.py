@@ -1,0 +1,164 @@
+"""Shared-prefix packing (``pack(..., group_size=G)``): each group's prompt through the model
+once per micro-batch, as ``[prompt | completion_1 | ... | completion_g]``.
+
+The truth is today's pack, every row whole. In float64, the logits that predict the
+completion tokens, the last hidden states there, and every parameter's gradient of a loss on
+them equal it to 1e-10: prompts of several lengths, G of 1, 2 and 8, completions of one token
+and of the maximum length, grouped-query attention, and micro-batches that split a group.
+"""
+
+import pytest
+import torch
+from conftest import max_err, rel_err
+from test_packing import assert_packed_equals_padded, float64_trainer
+
+from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
+from grpo_fast.trainer.model.packing import pack, pack_micro_batches, packed_hidden, packed_logits, shared_group_size
+
+C = 5  # the completions' columns
+
+
+def rollout(group_size: int, prompt_lengths: list, seed: int = 0):
+    """A padded rollout of len(prompt_lengths) groups: [N, P + C] input_ids and attention mask,
+    each group's rows one prompt (left-padded), completions of 1 to C tokens (right-padded),
+    the first row of every group C long and the last 1 long."""
+    g = torch.Generator().manual_seed(seed)
+    P = max(prompt_lengths)
+    rows, masks = [], []
+    for length in prompt_lengths:
+        prompt = torch.randint(3, 15, (length,), generator=g)
+        for i in range(group_size):
+            n = C if i == 0 else 1 if i == group_size - 1 else int(torch.randint(1, C + 1, (), generator=g))
+            completion = torch.randint(3, 15, (n,), generator=g)
+            ids = torch.zeros(P + C, dtype=torch.long)
+            ids[P - length : P] = prompt
+            ids[P : P + n] = completion
+            mask = torch.zeros(P + C, dtype=torch.long)
+            mask[P - length : P + n] = 1
+            rows.append(ids)
+            masks.append(mask)
+    return torch.stack(rows), torch.stack(masks)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def float64_norms():
+    """Llama's RMSNorm kept in float64 here: it computes in float32 whatever the input, and a
+    prompt's norm backward then rounds once for the sum of its G completions' gradients where
+    the unshared pack rounds G times; both are right to float32, and these tests are of the
+    layout, to float64."""
+    from transformers.models.llama import modeling_llama
+
+    def float64_norm(self, hidden):
+        return self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(modeling_llama.LlamaRMSNorm, "forward", float64_norm)
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The demo model in float64 with grouped-query attention."""
+    return build_model(build_tokenizer(), seed=3, num_key_value_heads=2).double()
+
+
+def test_shared_layout():
+    """One prompt, then each completion with positions continuing from the prompt's length;
+    the prompt's last token predicts every completion's first."""
+    pad = 0
+    input_ids = torch.tensor([[pad, 5, 6, 7, 8, pad], [pad, 5, 6, 9, pad, pad], [4, 3, 2, 1, 11, 12]])
+    attention = (input_ids != pad).long()
+    packed = pack(input_ids, attention, 3, slice(0, 3), group_size=2)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 3, 2, 1, 11, 12]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3, 4, 5]]
+    assert packed.cu_seqlens.tolist() == [0, 5, 11] and packed.max_length == 6
+    assert packed.targets.tolist() == [[7, 8, 9, 1, 11, 12]]
+    assert packed.logit_index.tolist() == [1, 2, 1, 7, 8, 9]  # 9's predecessor is the prompt's 6
+    whole = pack(input_ids, attention, 3, slice(0, 3))
+    assert packed.targets.tolist() == whole.targets.tolist() and packed.grid[1].tolist() == whole.grid[1].tolist()
+    prompts_only = pack(input_ids, (input_ids != pad).long() * (torch.arange(6) < 3), 3, slice(0, 3), group_size=2)
+    assert prompts_only.prefix is None and prompts_only.targets.shape == (1, 0)  # nothing to share a prompt for
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        pack(input_ids, attention, 3, slice(0, 3), group_size=0)
+    with pytest.raises(ValueError, match="rows \\[2, 3\\] of one group have prompts of different lengths"):
+        pack(torch.cat([input_ids, input_ids[:1]]), torch.cat([attention, attention[:1]]), 3, slice(0, 4), group_size=2)
+
+
+def _values(model, packed, weights):
+    """Logits and hidden states at the completion predictions, and the parameters' gradient of
+    a weighted sum of both."""
+    model.zero_grad()
+    logits, hidden = packed_logits(model, packed)[0], packed_hidden(model, packed)
+    ((logits * weights[0]).sum() + (hidden * weights[1]).sum()).backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return logits.detach(), hidden.detach(), grads
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 8])
+def test_shared_prefix_equals_every_row_whole(model, group_size):
+    input_ids, attention = rollout(group_size, [4, 1, 7])
+    N = input_ids.shape[0]
+    split = False
+    for max_tokens, max_rows in ((None, None), (23, None), (None, 3)):  # one pack, or packs that split groups
+        whole = pack_micro_batches(input_ids, attention, C, max_tokens, max_rows)
+        shared = pack_micro_batches(input_ids, attention, C, max_tokens, max_rows, group_size=group_size)
+        assert [p.rows for p in whole] == [p.rows for p in shared]
+        split |= any(p.rows.start % group_size for p in whole)
+        for w, s in zip(whole, shared):
+            saved = (w.input_ids.shape[1] - s.input_ids.shape[1]) / w.input_ids.shape[1]
+            assert saved > 0 or group_size == 1 or s.rows.stop - s.rows.start == 1
+            V, H = model.config.vocab_size, model.config.hidden_size
+            g = torch.Generator().manual_seed(s.rows.start)
+            weights = (torch.randn(1, w.targets.shape[1], V, generator=g).double(), None)
+            weights = (weights[0], torch.randn(w.targets.shape[1], H, generator=g).double())
+            want, got = _values(model, w, weights), _values(model, s, weights)
+            for a, b in zip(got, want):
+                assert rel_err(a, b) < 1e-10 and max_err(a, b) < 1e-10
+    assert N == 3 * group_size and split == (group_size > 1)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"lora_r": 4}, {"fused_linear": True}], ids=["full", "lora", "fused_linear"])
+def test_a_shared_prefix_step_equals_the_padded_step(tmp_path, overrides):
+    """The trainer with ``shared_prefix``: its reference log-probs, loss and gradients (two
+    passes, old log-probs off-policy, a KL term, a token budget that splits groups) equal the
+    padded computation's, as the unshared step's do (tests/test_packing.py)."""
+    trainer = float64_trainer(tmp_path, shared_prefix=True, **overrides)
+    if "lora_r" in overrides:
+        with torch.no_grad():
+            for name, p in trainer.policy.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3), dtype=p.dtype))
+    else:
+        with torch.no_grad():
+            for p in trainer.reference.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3), dtype=p.dtype))
+    batch = trainer.prepare(trainer.source.next(trainer.data_position, trainer.version))
+    G = trainer.config.group_size
+    assert all(p.prefix is not None for p in batch.micro_batches)
+    assert any(p.rows.start % G for p in batch.micro_batches)  # a group split across micro-batches
+    out = assert_packed_equals_padded(trainer)
+    assert out.kl > 0 or "lora_r" in overrides
+    metrics, batch = trainer.run_step()  # the log line counts what the body ran
+    forward = sum(p.input_ids.shape[1] for p in batch.micro_batches)
+    tokens = batch.samples.attention_mask.sum().item()
+    assert metrics["forward_tokens"] == forward < tokens
+    assert metrics["prefix_saved"] == pytest.approx(1 - forward / tokens)
+
+
+def test_flash_attention_models_pack_every_row_whole(caplog):
+    """A model on flash-attention keeps today's pack (its varlen kernel would let completions
+    see each other), said once."""
+    import types
+
+    config = types.SimpleNamespace(shared_prefix=True, group_size=4)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash_attention_2"))
+    with caplog.at_level("INFO", logger="grpo_fast"):
+        assert shared_group_size(config, model) is None and shared_group_size(config, model) is None
+    assert sum("cannot take the shared layout" in r.message for r in caplog.records) == 1
+    model.config._attn_implementation = "sdpa"
+    assert shared_group_size(config, model) == 4
+    assert shared_group_size(types.SimpleNamespace(shared_prefix=False, group_size=4), model) is None
+    ids = torch.tensor([[1, 2, 3], [1, 4, 3]])
+    with pytest.raises(ValueError, match=r"rows \[1\] have another prompt than their group's first row"):
+        pack_micro_batches(ids, torch.ones_like(ids), 1, None, None, group_size=2)
