@@ -66,7 +66,12 @@ def test_run_all_dry_run_passes_on_the_device_image(tmp_path):
     assert checks["triton"].startswith("3.6"), checks["triton"]
     # The trainer step against TRL: our row trains; TRL's trains where its wheels came along
     # (benchmarks/gpu/README.md), else it says why not; the image has no vLLM
-    engines = json.loads((out / "trainer_step_dryrun.json").read_text())["engines"]
+    step = json.loads((out / "trainer_step_dryrun.json").read_text())
+    shared = step["shared_prefix"]  # each group's prompt once: the same log-probs, fewer tokens
+    assert shared["check_passed"] and shared["check_max_abs_logprob_diff_fp32"] < 1e-4, shared
+    whole, once = shared["rows"]
+    assert once["forward_tokens"] < whole["forward_tokens"] and once["fwd_bwd_s"] > 0, shared["rows"]
+    engines = step["engines"]
     assert set(engines["results"]["sampler"]["phases_median_s"]) == set(PHASES), engines
     assert engines["skipped"]["vllm"].startswith("vllm not installed"), engines["skipped"]
     if "trl" in engines["skipped"]:

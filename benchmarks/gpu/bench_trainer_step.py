@@ -1,6 +1,9 @@
 """GPU timing of one GRPO trainer step: the logits path against fused-linear at a realistic
 model size, then grpo_fast's step against TRL's.
 
+Then (``shared_prefix`` in the JSON) one packed forward and backward with each group's
+prompt once against every row whole, checked against each other in float32 first.
+
 Loss paths: a randomly initialised Llama (hidden 1024, 12 layers, vocabulary 32000, about
 0.2B parameters; the demo's tokenizer padded to that vocabulary) trains on the arithmetic
 prompts: 64 completions per step (G = 8), 128 new tokens (a random model rarely stops
@@ -24,6 +27,7 @@ says so.
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -75,29 +79,10 @@ def time_variant(fused_linear: bool, model_sizes: dict, run: dict, steps: int, d
         progress=False,
     )
     trainer = GRPOTrainer(config, model=model, tokenizer=tokenizer)
-    rollout_times = []
-
-    def timed(stage):  # the rollout: the source's samples, then the step's batch (the reference pass)
-        def run(*args):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = stage(*args)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            rollout_times[-1] += time.perf_counter() - start
-            return out
-
-        return run
-
-    trainer.source.next, trainer.prepare = timed(trainer.source.next), timed(trainer.prepare)
-    history = []
-    for _ in range(steps + 1):
-        rollout_times.append(0.0)
-        history.append(trainer.train_step())
-    history = history[1:]  # the first step warms up
+    history = [trainer.train_step() for _ in range(steps + 1)][1:]  # the first step warms up
     step_s = statistics.median(m["step_time_s"] for m in history)
-    rollout_s = statistics.median(rollout_times[1:])
+    # the rollout: the samples, then the step's batch (the reference pass), by the trainer's clock
+    rollout_s = statistics.median(m["time/rollout_s"] + m["time/prepare_s"] for m in history)
     return {
         "loss_path": "fused_linear_grpo_loss" if fused_linear else "grpo_loss on completion logits",
         "step_s": step_s,
@@ -108,6 +93,76 @@ def time_variant(fused_linear: bool, model_sizes: dict, run: dict, steps: int, d
         "peak_mem_bytes": max(m["peak_mem_bytes"] for m in history),
         "steps": steps,
     }
+
+
+def shared_prefix_passes(model_sizes: dict, dry_run: bool, device: str, repeats: int) -> dict:
+    """One micro-batch's packed forward and backward (the training pass's shape) with every row
+    whole against each group's prompt once (``pack(..., group_size=G)``), on the realistic
+    workload's layout: 4 groups of G = 8, prompts of 100-120 tokens, completions of 1-45. The
+    check: float32 log-probs of the two layouts agree (max abs difference); then bf16 autocast
+    on CUDA, the median of ``repeats`` timed passes after a warm-up, forward tokens and peak memory."""
+    from grpo_fast import token_logprobs
+    from grpo_fast.trainer.model.packing import pack_micro_batches, packed_logits
+
+    sizes = dict(model_sizes)
+    torch.manual_seed(0)
+    model = build_model(build_tokenizer(sizes.pop("vocab_size")), seed=0, **sizes).to(device)
+    groups, G, (low, high), C = (2, 4, (6, 10), 6) if dry_run else (4, 8, (100, 120), 45)
+    g = torch.Generator().manual_seed(0)
+    P, V = high, model.config.vocab_size
+    ids, mask = torch.zeros(groups * G, P + C, dtype=torch.long), torch.zeros(groups * G, P + C, dtype=torch.long)
+    for k in range(groups):
+        length = int(torch.randint(low, high + 1, (), generator=g))
+        prompt = torch.randint(3, V, (length,), generator=g)
+        for i in range(k * G, k * G + G):
+            n = C if i % G == 0 else int(torch.randint(1, C + 1, (), generator=g))
+            ids[i, P - length : P], ids[i, P : P + n] = prompt, torch.randint(3, V, (n,), generator=g)
+            mask[i, P - length : P + n] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    layouts = {
+        name: pack_micro_batches(ids, mask, C, None, None, size)[0] for name, size in (("whole", None), ("shared", G))
+    }
+
+    def logprobs(packed, grad: bool):
+        with torch.set_grad_enabled(grad):
+            return token_logprobs(packed_logits(model, packed), packed.targets)
+
+    with torch.no_grad():
+        check = (logprobs(layouts["whole"], False) - logprobs(layouts["shared"], False)).abs().max().item()
+    rows = []
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
+    for name, packed in layouts.items():
+        times = []
+        for _ in range(repeats + 1):
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            with autocast:
+                loss = logprobs(packed, True).sum()
+            loss.backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+        rows.append(
+            dict(
+                layout=name,
+                forward_tokens=packed.input_ids.shape[1],
+                fwd_bwd_s=statistics.median(times[1:]),
+                peak_mem_bytes=peak,
+            )
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return dict(
+        groups=groups,
+        group_size=G,
+        check_max_abs_logprob_diff_fp32=check,
+        check_passed=check < 1e-4,
+        speedup=rows[0]["fwd_bwd_s"] / rows[1]["fwd_bwd_s"],
+        rows=rows,
+    )
 
 
 def against_trl(dry_run: bool, device: str, steps: int, deadline: float) -> dict:
@@ -171,9 +226,13 @@ def main():
         row = time_variant(fused_linear, model_sizes, run, steps, device)
         report["results"].append(row)
         print(json.dumps(row), flush=True)
-    write(report, out)  # the loss paths now: a run cut while against TRL keeps them
+    report["shared_prefix"] = shared_prefix_passes(model_sizes, args.dry_run, device, 1 if args.dry_run else 5)
+    write(report, out)  # the loss paths and the shared prefix now: a run cut while against TRL keeps them
     report["engines"] = against_trl(args.dry_run, device, 2 if args.dry_run else args.engine_steps, deadline)
     write(report, out)
+    shared = report["shared_prefix"]
+    if not shared["check_passed"]:
+        raise SystemExit(f"shared prefix: the layouts' log-probs differ by {shared['check_max_abs_logprob_diff_fp32']}")
 
 
 def write(report: dict, out: str) -> None:
