@@ -6,7 +6,7 @@ import dataclasses
 import torch
 from conftest import completion_logprobs
 
-from grpo_fast.trainer.model.packing import pack_micro_batches
+from grpo_fast.trainer.model.packing import pack_rollout
 from grpo_fast.trainer.update.metrics import read_metrics
 from grpo_fast.trainer.update.passes import Proximal
 
@@ -28,13 +28,9 @@ def off_policy(trainer, batch, scale: float = 0.3) -> Proximal:
 
 def repacked(trainer, batch):
     """``batch`` with its micro-batches cut anew under the trainer's config's limits."""
-    config, samples = trainer.config, batch.samples
-    micro = pack_micro_batches(
-        samples.input_ids,
-        samples.attention_mask,
-        batch.completion_mask.shape[1],
-        config.max_tokens_per_micro_batch,
-        config.micro_batch_size,
+    samples = batch.samples
+    micro = pack_rollout(
+        samples.input_ids, samples.attention_mask, batch.completion_mask.shape[1], trainer.config, trainer.policy
     )
     return dataclasses.replace(batch, micro_batches=micro)
 

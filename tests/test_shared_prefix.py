@@ -79,7 +79,7 @@ def test_shared_layout():
     assert packed.targets.tolist() == whole.targets.tolist() and packed.grid[1].tolist() == whole.grid[1].tolist()
     prompts_only = pack(input_ids, (input_ids != pad).long() * (torch.arange(6) < 3), 3, slice(0, 3), group_size=2)
     assert prompts_only.prefix is None and prompts_only.targets.shape == (1, 0)  # nothing to share a prompt for
-    with pytest.raises(ValueError, match="group_size must be a positive int"):
+    with pytest.raises(ValueError, match="group_size must be a positive int or None"):
         pack(input_ids, attention, 3, slice(0, 3), group_size=0)
     with pytest.raises(ValueError, match="rows \\[2, 3\\] of one group have prompts of different lengths"):
         pack(torch.cat([input_ids, input_ids[:1]]), torch.cat([attention, attention[:1]]), 3, slice(0, 4), group_size=2)
@@ -153,12 +153,18 @@ def test_flash_attention_models_pack_every_row_whole(caplog):
 
     config = types.SimpleNamespace(shared_prefix=True, group_size=4)
     model = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash_attention_2"))
+    from grpo_fast.trainer.model import packing
+
+    packing._whole_rows_for.cache_clear()  # said once per process: count from here
     with caplog.at_level("INFO", logger="grpo_fast"):
         assert shared_group_size(config, model) is None and shared_group_size(config, model) is None
+    assert not hasattr(model.config, "_grpo_fast_no_shared_prefix")  # nothing written onto the model's config
     assert sum("cannot take the shared layout" in r.message for r in caplog.records) == 1
     model.config._attn_implementation = "sdpa"
     assert shared_group_size(config, model) == 4
     assert shared_group_size(types.SimpleNamespace(shared_prefix=False, group_size=4), model) is None
     ids = torch.tensor([[1, 2, 3], [1, 4, 3]])
+    with pytest.raises(ValueError, match="group_size must be a positive int or None, got 0"):
+        pack_micro_batches(ids, torch.ones_like(ids), 1, None, None, group_size=0)
     with pytest.raises(ValueError, match=r"rows \[1\] have another prompt than their group's first row"):
         pack_micro_batches(ids, torch.ones_like(ids), 1, None, None, group_size=2)

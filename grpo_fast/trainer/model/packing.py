@@ -44,6 +44,7 @@ completion mask, which gives them weight 0 (``step.loss_inputs``; tests/test_too
 """
 
 import contextlib
+import functools
 import logging
 from typing import NamedTuple
 
@@ -105,7 +106,7 @@ def row_lengths(
     group's first row's (rows ``G * k`` on), in the same read."""
     P = attention_mask.shape[1] - num_completion_tokens
     columns = [attention_mask.sum(1), attention_mask[:, :P].sum(1)]
-    if group_size is not None:
+    if _checked(group_size) is not None:
         if attention_mask.shape[0] % group_size:
             raise ValueError(f"group_size={group_size} must divide the rollout's {attention_mask.shape[0]} rows")
         prompts = (input_ids[:, :P] * attention_mask[:, :P]).view(-1, group_size, P)
@@ -133,6 +134,7 @@ def pack(
     ids, real = input_ids[rows], attention_mask[rows].bool()
     n, L = ids.shape
     C = num_completion_tokens
+    _checked(group_size)
     if lengths is None:
         lengths = row_lengths(attention_mask[rows], C)
     if any(prompt == 0 and total > 0 for total, prompt in lengths):
@@ -180,14 +182,19 @@ def pack(
     )
 
 
+def _checked(group_size):
+    """``group_size``, a positive int or None; else a ValueError naming it."""
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+        raise ValueError(f"group_size must be a positive int or None, got {group_size!r}")
+    return group_size
+
+
 def _units(rows: slice, lengths: list, group_size: int | None) -> list:
     """``[(first row, [rows])]`` (indices within the slice) of the packed units: each row alone,
     or with ``group_size`` the runs of rows of one group (a group the micro-batch splits gives
     a unit on each side)."""
     if group_size is None:
         return [(i, [i]) for i in range(len(lengths))]
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     units = {}
     for i in range(len(lengths)):
         units.setdefault((rows.start + i) // group_size, []).append(i)
@@ -223,13 +230,12 @@ def _shared_layout(units: list, prompts: list, completion_lengths: list, complet
     prompt_seen = arange(longest_prompt) < torch.tensor(prompts)[query_units_t][:, None]  # [M, Pmax]
     own_seen = arange(longest)[None, :] <= arange(longest)[:, None]  # [Rmax, Rmax]: causal
     key_mask = torch.cat([prompt_seen[:, None, :].expand(M, longest, longest_prompt), own_seen.expand(M, -1, -1)], 2)
-    lengths = [completion_lengths[r] for _, members in units for r in members]  # [M]
     slots = torch.empty(S, dtype=torch.long)
     for u, (begin, prompt) in enumerate(zip(prompt_starts, prompts)):
         slots[begin : begin + prompt] = u * longest_prompt + arange(prompt)
-    for m, (begin, length) in enumerate(zip(query_starts, lengths)):
+    for m, (begin, length) in enumerate(zip(query_starts, completion_lengths)):  # the units hold the rows in order
         slots[begin : begin + length] = U * longest_prompt + m * longest + arange(length)
-    lengths = torch.tensor(lengths, dtype=torch.long)
+    lengths = torch.tensor(completion_lengths, dtype=torch.long)  # [M]
     # Each completion's first token comes from its unit's last prompt position; the others
     # from the position before them, as unshared.
     firsts = torch.tensor([0] + lengths.tolist()).cumsum(0)[:-1][lengths > 0]
@@ -297,11 +303,29 @@ def shared_group_size(config, model) -> int | None:
         return None
     implementation = model.config._attn_implementation or ""
     if implementation.startswith("flash_attention"):
-        if not getattr(model.config, "_grpo_fast_no_shared_prefix", False):
-            model.config._grpo_fast_no_shared_prefix = True
-            logger.info("shared_prefix: %s cannot take the shared layout; every row is packed whole", implementation)
+        _whole_rows_for(implementation)
         return None
     return config.group_size
+
+
+@functools.cache
+def _whole_rows_for(implementation: str) -> None:
+    """Says once per process that ``implementation`` keeps every row whole."""
+    logger.info("shared_prefix: %s cannot take the shared layout; every row is packed whole", implementation)
+
+
+def pack_rollout(input_ids, attention_mask, num_completion_tokens: int, config, model) -> list:
+    """A rollout packed as a run packs it for ``model``: :func:`pack_micro_batches` under the
+    config's token and row limits, each group's prompt once where :func:`shared_group_size`
+    says so. The trainer and the rollout worker both pack with it, so their packs agree."""
+    return pack_micro_batches(
+        input_ids,
+        attention_mask,
+        num_completion_tokens,
+        config.max_tokens_per_micro_batch,
+        config.micro_batch_size,
+        shared_group_size(config, model),
+    )
 
 
 def to_grid(values: torch.Tensor, packed: Packed) -> torch.Tensor:

@@ -66,7 +66,7 @@ import transformers
 from grpo_fast.tools import ToolTemplate
 from grpo_fast.trainer.model.build import reference_context
 from grpo_fast.trainer.model.packed_policy import PackedPolicy
-from grpo_fast.trainer.model.packing import pack_micro_batches, shared_group_size
+from grpo_fast.trainer.model.packing import pack_rollout
 from grpo_fast.trainer.rollout.engines import EngineSettings, make_generator
 from grpo_fast.trainer.rollout.samples import Samples, rollout
 from grpo_fast.trainer.rollout.sources import RolloutSource
@@ -407,15 +407,8 @@ class Worker:
 
     def _micro_batches(self, batch: Samples) -> list:
         """The batch packed as the trainer packs it."""
-        config = self.setup.config
-        return pack_micro_batches(
-            batch.input_ids,
-            batch.attention_mask,
-            batch.completion_mask.shape[1],
-            config.max_tokens_per_micro_batch,
-            config.micro_batch_size,
-            shared_group_size(config, self.generator.model),
-        )
+        C = batch.completion_mask.shape[1]
+        return pack_rollout(batch.input_ids, batch.attention_mask, C, self.setup.config, self.generator.model)
 
     def _logprobs(self, micro: list) -> torch.Tensor:
         """The sampled tokens' log-probs [N, C] under the weights that sampled them (for an

@@ -16,7 +16,7 @@ from grpo_fast import group_advantages
 from grpo_fast.outputs import GroupAdvantages
 from grpo_fast.trainer import distributed
 from grpo_fast.trainer.model.build import reference_context
-from grpo_fast.trainer.model.packing import pack_micro_batches, shared_group_size
+from grpo_fast.trainer.model.packing import pack_rollout
 from grpo_fast.trainer.rollout.samples import Samples
 
 
@@ -111,14 +111,7 @@ def batch_fields(samples: Samples, config, modules, policy, reference, runtime) 
     the modules (a peft policy is its own reference, adapters off)."""
     ranks = runtime.ranks
     C = samples.completion_mask.shape[1]
-    micro = pack_micro_batches(
-        samples.input_ids,
-        samples.attention_mask,
-        C,
-        config.max_tokens_per_micro_batch,
-        config.micro_batch_size,
-        shared_group_size(config, policy),
-    )
+    micro = pack_rollout(samples.input_ids, samples.attention_mask, C, config, policy)
     ref = None
     if modules.reference is not None and ranks.sum(samples.input_ids.shape[0]):
         ref = reference_logprobs(modules.reference, policy, reference, samples, micro, ranks, modules.filler)
