@@ -60,9 +60,10 @@ def setup(tmp_path_factory):
     return tokenizer, folder, datasets.Dataset.from_list(build_dataset(num_rows=64, seed=0))
 
 
-def make_trainer(cls, setup, reward_funcs=arithmetic_reward, peft_config=None, tools=None, **options):
+def make_trainer(cls, setup, reward_funcs=arithmetic_reward, peft_config=None, tools=None, ours=None, **options):
     """A TRL GRPOTrainer of class ``cls`` (stock or ours) on ``setup``'s model folder and rows,
-    CPU, no saving; ``options`` are GRPOConfig's; ``tools`` TRL's tool loop's (test_integration_trl_tools)."""
+    CPU, no saving; ``options`` are GRPOConfig's; ``tools`` TRL's tool loop's (test_integration_trl_tools);
+    ``ours`` our constructor's own keywords (``shared_prefix``)."""
     tokenizer, folder, dataset = setup
     options = {"per_device_train_batch_size": B, "num_generations": 4, "max_completion_length": T, **options}
     args = trl.GRPOConfig(
@@ -86,18 +87,22 @@ def make_trainer(cls, setup, reward_funcs=arithmetic_reward, peft_config=None, t
             processing_class=tokenizer,
             peft_config=peft_config,
             **({"tools": tools} if tools else {}),
+            **(ours or {}),
         )
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train() otherwise
     trainer.model.train()  # as in train(): from_pretrained leaves it in eval mode, whose loss and metrics differ
     return trainer
 
 
-def make_batch(trainer, beta: float, seed: int = 0) -> dict:
+def make_batch(trainer, beta: float, seed: int = 0, shared: bool = False) -> dict:
+    """``shared``: rows 0 and 2 have one prompt, rows 1 and 3 another (a shuffled batch's groups)."""
     g = torch.Generator().manual_seed(seed)
     V = trainer.model.config.vocab_size
     prompt_ids = torch.randint(3, V, (B, P), generator=g)
     prompt_mask = torch.ones(B, P, dtype=torch.long)
     prompt_mask[0, 0] = 0
+    if shared:
+        prompt_ids, prompt_mask = prompt_ids[[0, 1, 0, 1]], prompt_mask[[0, 1, 0, 1]]
     completion_ids = torch.randint(3, V, (B, T), generator=g)
     completion_mask = torch.ones(B, T, dtype=torch.long)
     completion_mask[1, 4:] = 0
@@ -191,6 +196,35 @@ def test_sequence_level_importance_ratio_and_tool_mask(setup):
     assert_same_step(stock, ours, batch)
 
 
+def test_shared_prompts_match_trl(setup):
+    """Rows that repeat a prompt (a shuffled batch's groups) go through the backbone with each
+    prompt once; the loss, every gradient, the metrics and the log-prob passes stay stock
+    TRL's, with a tool mask and the vLLM ratio, and the unshared drop-in's."""
+    stock = make_trainer(trl.GRPOTrainer, setup, beta=0.04, **CUSTOM)
+    ours = make_trainer(GRPOTrainer, setup, beta=0.04, **CUSTOM)
+    for trainer in (stock, ours):
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    batch = make_batch(stock, 0.04, seed=6, shared=True)
+    batch["tool_mask"] = torch.ones(B, T, dtype=torch.long)
+    batch["tool_mask"][2, 1:3] = 0
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    packed = ours._backbone_inputs(ids, mask, T)["grpo_fast_pack"]  # shared: two prompts of four rows
+    assert packed.input_ids.shape[1] == mask.sum() - mask[[2, 3], :P].sum()
+    assert_same_step(stock, ours, batch)
+    active = batch["completion_mask"].bool()
+    with torch.no_grad():
+        for which, entropy in (("model", True), ("ref_model", False)):  # TRL's reference head has no entropy
+            want = stock._get_per_token_logps_and_entropies(getattr(stock, which), ids, mask, T, 4, entropy)
+            got = ours._get_per_token_logps_and_entropies(getattr(ours, which), ids, mask, T, 4, entropy)
+            for a, b in zip(got[: 1 + entropy], want[: 1 + entropy]):
+                assert rel_err(a[active], b[active]) < 1e-6, which
+    unshared = make_trainer(GRPOTrainer, setup, beta=0.04, ours={"shared_prefix": False}, **CUSTOM)
+    assert not unshared.shared_prefix and "input_ids" in unshared._backbone_inputs(ids, mask, T)
+    with pytest.raises(TypeError, match="shared_prefix must be a bool"):
+        make_trainer(GRPOTrainer, setup, ours={"shared_prefix": "yes"})
+
+
 def test_lora_matches_trl(setup):
     """A LoRA policy: the head is found under the adapter, the frozen LM head gets no gradient,
     and the reference is the policy with its adapter disabled."""
@@ -258,7 +292,19 @@ def trained(cls, setup, **options):
     return trainer
 
 
+@pytest.fixture
+def float64_norms(monkeypatch):
+    """Llama's RMSNorm in float64 (it computes in float32 whatever the input)."""
+    from transformers.models.llama import modeling_llama
+
+    def float64_norm(self, hidden):
+        return self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", float64_norm)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("shared", [False, True], ids=["whole-rows", "shared-prompts"])
 @pytest.mark.parametrize(
     "options",
     [
@@ -274,22 +320,35 @@ def trained(cls, setup, **options):
     ],
     ids=["trl-defaults", "gspo-kl-accumulation-iterations"],
 )
-def test_three_train_steps_match_trl(setup, options):
+def test_three_train_steps_match_trl(setup, options, shared, request):
     """Same seed, same generations, same updates: equal parameters and logs after three steps
     (the second case accumulates gradients and reuses each generation for two updates, so the
-    old-policy log-probs come from our no-grad pass)."""
-    stock, ours = trained(trl.GRPOTrainer, setup, **options), trained(GRPOTrainer, setup, **options)
+    old-policy log-probs come from our no-grad pass). Each micro-batch is one prompt's group, so
+    with ``shared`` the backbone runs each prompt once; those runs are in float64, where they
+    also equal our whole-row run to 1e-10: in float32 a prompt's gradient, summed once over its
+    group instead of row by row, rounds differently, and Adam's normalised steps carry that to
+    1.4e-5 in three steps on the second case (the whole-row runs: 3e-6)."""
+    if shared:
+        request.getfixturevalue("float64_norms")
+        options = dict(options, model_init_kwargs={"dtype": torch.float64})
+    stock = trained(trl.GRPOTrainer, setup, **options)
+    ours = trained(GRPOTrainer, setup, ours={"shared_prefix": shared}, **options)
     assert not ours._grpo_fast_warned  # nothing deferred to TRL's path
     stock_params, start = dict(stock.model.named_parameters()), make_trainer(trl.GRPOTrainer, setup).model
     for name, p in ours.model.named_parameters():
         assert rel_err(p, stock_params[name]) < 1e-5, name
-    assert max(rel_err(p, start.get_parameter(name)) for name, p in stock_params.items()) > 1e-3  # it trained
+    assert max(rel_err(p, start.get_parameter(name).to(p.dtype)) for name, p in stock_params.items()) > 1e-3
     logs, our_logs = stock.state.log_history, ours.state.log_history
     assert len(our_logs) == len(logs) == 4  # three steps and the summary
     for log, our_log in zip(logs[:-1], our_logs[:-1]):
         for key in ("loss", "reward", "entropy", "clip_ratio/region_mean", "kl", "completions/mean_length"):
             if key in log:
                 assert our_log[key] == pytest.approx(log[key], rel=1e-4, abs=1e-6), key
+    if shared:
+        assert next(ours.model.parameters()).dtype == torch.float64
+        whole = dict(trained(GRPOTrainer, setup, ours={"shared_prefix": False}, **options).model.named_parameters())
+        for name, p in ours.model.named_parameters():
+            assert rel_err(p, whole[name]) < 1e-10, name
 
 
 # Two processes (torchrun, gloo): stock TRL then ours, the same seed, two steps each.

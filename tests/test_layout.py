@@ -31,6 +31,7 @@ FORBIDDEN = [
     ("grpo_fast.tools", ("grpo_fast.trainer", "grpo_fast.tasks")),
     ("grpo_fast.tasks", ("grpo_fast.trainer",)),
     ("grpo_fast.integrations", ("grpo_fast.trainer",)),
+    ("grpo_fast.packing", ("grpo_fast.trainer", "grpo_fast.integrations")),
     *((core, SIDES + TOP) for core in CORE),
     (
         "grpo_fast.trainer.model",

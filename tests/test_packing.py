@@ -1,4 +1,4 @@
-"""Padding-free training (grpo_fast/trainer/model/packing.py): packed and padded steps agree.
+"""Padding-free training (grpo_fast/packing/): packed and padded steps agree.
 
 The truth is the padded computation the trainer used before packing: the model on the
 left-padded [N, P + C] batch with its attention mask, logits at the completion positions,
@@ -13,11 +13,11 @@ from _steps import backward, next_batch, off_policy
 from conftest import completion_logits, completion_logprobs, max_err, rel_err
 
 from grpo_fast import grpo_loss
+from grpo_fast.packing import micro_batches, pack, packed_logits, to_grid
 from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer.model.build import reference_context
-from grpo_fast.trainer.model.packing import micro_batches, pack, packed_logits, to_grid
 from grpo_fast.trainer.runtime import Runtime
 
 CASES = [dict(loss_type=name) for name in LOSS_TYPES] + [dict(loss_type="grpo", importance_sampling="sequence")]

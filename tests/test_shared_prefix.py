@@ -1,4 +1,4 @@
-"""Shared-prefix packing (``pack(..., group_size=G)``): each group's prompt through the model
+"""Shared-prefix packing (``pack(..., groups=...)``): each group's prompt through the model
 once per micro-batch, as ``[prompt | completion_1 | ... | completion_g]``.
 
 The truth is today's pack, every row whole. In float64, the logits that predict the
@@ -12,8 +12,9 @@ import torch
 from conftest import max_err, rel_err
 from test_packing import assert_packed_equals_padded, float64_trainer
 
+from grpo_fast.packing import pack, pack_by_prompt, pack_micro_batches, packed_hidden, packed_logits, to_grid
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
-from grpo_fast.trainer.model.packing import pack, pack_micro_batches, packed_hidden, packed_logits, shared_group_size
+from grpo_fast.trainer.model.packing import shared_group_size
 
 C = 5  # the completions' columns
 
@@ -69,7 +70,7 @@ def test_shared_layout():
     pad = 0
     input_ids = torch.tensor([[pad, 5, 6, 7, 8, pad], [pad, 5, 6, 9, pad, pad], [4, 3, 2, 1, 11, 12]])
     attention = (input_ids != pad).long()
-    packed = pack(input_ids, attention, 3, slice(0, 3), group_size=2)
+    packed = pack(input_ids, attention, 3, slice(0, 3), groups=[0, 0, 1])
     assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 3, 2, 1, 11, 12]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3, 4, 5]]
     assert packed.cu_seqlens.tolist() == [0, 5, 11] and packed.max_length == 6
@@ -77,12 +78,18 @@ def test_shared_layout():
     assert packed.logit_index.tolist() == [1, 2, 1, 7, 8, 9]  # 9's predecessor is the prompt's 6
     whole = pack(input_ids, attention, 3, slice(0, 3))
     assert packed.targets.tolist() == whole.targets.tolist() and packed.grid[1].tolist() == whole.grid[1].tolist()
-    prompts_only = pack(input_ids, (input_ids != pad).long() * (torch.arange(6) < 3), 3, slice(0, 3), group_size=2)
+    prompts_only = pack(input_ids, (input_ids != pad).long() * (torch.arange(6) < 3), 3, slice(0, 3), groups=[0, 0, 1])
     assert prompts_only.prefix is None and prompts_only.targets.shape == (1, 0)  # nothing to share a prompt for
-    with pytest.raises(ValueError, match="group_size must be a positive int or None"):
-        pack(input_ids, attention, 3, slice(0, 3), group_size=0)
+    with pytest.raises(ValueError, match="groups must hold one key per row of the slice \\(3\\), got 2"):
+        pack(input_ids, attention, 3, slice(0, 3), groups=[0, 0])
     with pytest.raises(ValueError, match="rows \\[2, 3\\] of one group have prompts of different lengths"):
-        pack(torch.cat([input_ids, input_ids[:1]]), torch.cat([attention, attention[:1]]), 3, slice(0, 4), group_size=2)
+        pack(
+            torch.cat([input_ids, input_ids[:1]]),
+            torch.cat([attention, attention[:1]]),
+            3,
+            slice(0, 4),
+            groups=[0, 0, 1, 1],
+        )
 
 
 def _values(model, packed, weights):
@@ -146,20 +153,56 @@ def test_a_shared_prefix_step_equals_the_padded_step(tmp_path, overrides):
     assert metrics["prefix_saved"] == pytest.approx(1 - forward / tokens)
 
 
-def test_flash_attention_models_pack_every_row_whole(caplog):
-    """A model on flash-attention keeps today's pack (its varlen kernel would let completions
-    see each other), said once."""
+def _grid_values(model, packed, weights):
+    """The last hidden states on the rows' [N, C, H] grid and the parameters' gradient of a
+    weighted sum of them."""
+    model.zero_grad()
+    hidden = to_grid(packed_hidden(model, packed).unsqueeze(0), packed)
+    (hidden * weights).sum().backward()
+    return hidden.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("padded_positions", [False, True], ids=["real-positions", "padded-positions"])
+def test_equal_prompts_share_wherever_they_are(model, padded_positions):
+    """A shuffled batch (TRL's micro-batches): ``pack_by_prompt`` packs its rows with equal
+    prompts as one unit each and maps the values back to the given rows; equal to every row
+    whole in float64, with positions counted either way (TRL's padded forward counts the
+    padded columns)."""
+    input_ids, attention = rollout(3, [4, 1, 7])
+    order = torch.randperm(9, generator=torch.Generator().manual_seed(1))
+    ids, mask = input_ids[order], attention[order]
+    whole = pack(ids, mask, C, slice(0, 9), padded_positions=padded_positions)
+    shared = pack_by_prompt(ids, mask, C, padded_positions=padded_positions)
+    assert shared.prefix is not None and shared.cu_seqlens.numel() == 4  # three prompts, each once
+    assert shared.input_ids.shape[1] == whole.input_ids.shape[1] - 2 * (4 + 1 + 7)
+    weights = torch.randn(9, C, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).double()
+    for a, b in zip(_grid_values(model, shared, weights), _grid_values(model, whole, weights)):
+        assert rel_err(a, b) < 1e-10 and max_err(a, b) < 1e-10
+    if padded_positions:  # a left-padded prompt's tokens sit at their columns
+        assert whole.position_ids[0, : int(mask[0].sum())].tolist() == mask[0].nonzero().squeeze(1).tolist()
+    distinct = pack_by_prompt(ids[[0]], mask[[0]], C)
+    assert distinct.prefix is None  # no prompt repeats: every row whole
+
+
+def test_models_that_cannot_take_the_layout_pack_every_row_whole(caplog):
+    """A model on flash-attention (its varlen kernel would let completions see each other),
+    with sliding-window layers or with attention logit softcapping keeps today's pack, said
+    once per reason."""
     import types
 
     config = types.SimpleNamespace(shared_prefix=True, group_size=4)
     model = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash_attention_2"))
-    from grpo_fast.trainer.model import packing
+    from grpo_fast.packing import attention
 
-    packing._whole_rows_for.cache_clear()  # said once per process: count from here
+    attention._whole_rows_for.cache_clear()  # said once per process: count from here
     with caplog.at_level("INFO", logger="grpo_fast"):
         assert shared_group_size(config, model) is None and shared_group_size(config, model) is None
+        for blocker in ({"layer_types": ["full_attention", "sliding_attention"]}, {"attn_logit_softcapping": 50.0}):
+            other = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="sdpa", **blocker))
+            assert shared_group_size(config, other) is None
     assert not hasattr(model.config, "_grpo_fast_no_shared_prefix")  # nothing written onto the model's config
-    assert sum("cannot take the shared layout" in r.message for r in caplog.records) == 1
+    said = [r.message for r in caplog.records if "cannot take the shared layout" in r.message]
+    assert len(said) == 3 and "flash_attention_2" in said[0] and "sliding-window" in said[1], said
     model.config._attn_implementation = "sdpa"
     assert shared_group_size(config, model) == 4
     assert shared_group_size(types.SimpleNamespace(shared_prefix=False, group_size=4), model) is None

@@ -26,12 +26,12 @@ from _steps import backward, off_policy
 from conftest import completion_logits, completion_logprobs, max_err, rel_err, trl_sampling_correction
 
 from grpo_fast import reference
+from grpo_fast.packing import pack_micro_batches, to_grid
 from grpo_fast.spec import LossConfig
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer.model import packed_policy
 from grpo_fast.trainer.model.build import reference_context
-from grpo_fast.trainer.model.packing import pack_micro_batches, to_grid
 from grpo_fast.trainer.update.metrics import PhaseClock, log_line
 
 C = 8  # max_new_tokens: the demo model's rollouts fill 1 to 8 completion tokens

@@ -102,7 +102,7 @@ def shared_prefix_passes(model_sizes: dict, dry_run: bool, device: str, repeats:
     check: float32 log-probs of the two layouts agree (max abs difference); then bf16 autocast
     on CUDA, the median of ``repeats`` timed passes after a warm-up, forward tokens and peak memory."""
     from grpo_fast import token_logprobs
-    from grpo_fast.trainer.model.packing import pack_micro_batches, packed_logits
+    from grpo_fast.packing import pack_micro_batches, packed_logits
 
     sizes = dict(model_sizes)
     torch.manual_seed(0)

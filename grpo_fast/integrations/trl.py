@@ -22,6 +22,14 @@ generation, rewards and advantages (``scale_rewards``, ``multi_objective_aggrega
 - **The no-grad log-prob passes** (old-policy and reference log-probs):
   :func:`grpo_fast.fused_linear_token_logprobs` from the last hidden states.
 
+Shared prompts (``GRPOTrainer(..., shared_prefix=True)``, the default): each backbone pass
+(the loss, the old-policy and the reference log-probs) packs its rows with
+:func:`grpo_fast.packing.pack_by_prompt`, so that the rows repeating a prompt (a group's
+completions, wherever TRL's shuffle put them) forward it once, each completion attending to
+the prompt and itself only, at the padded forward's positions. The LM head and the loss see
+the same hidden states, so the numbers are TRL's; rows with distinct prompts, and models that
+cannot take the layout (``shared_layout_blocker``), run the padded rows.
+
 The loss runs inside the model's forward (through ``model(...)``, as TRL's own fused head
 does), so DDP, FSDP and DeepSpeed hooks see a normal forward, and the metrics are TRL's names
 and reductions through ``self.accelerator``: ``kl``, ``entropy``, ``clip_ratio/low_mean``,
@@ -72,6 +80,7 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx, nanmax, nanmin
 from grpo_fast.ops import fused_linear_token_logprobs
 from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_with_tokens
 from grpo_fast.ops.policy import LossInputs
+from grpo_fast.packing import pack_by_prompt, packed_hidden, shared_layout_blocker, to_grid
 from grpo_fast.spec import LOSS_TYPES, LossConfig
 
 # Batch keys that TRL feeds to the model besides the token ids: multimodal models.
@@ -99,18 +108,26 @@ LOGIT_TRANSFORMS = (
 
 def add_hidden_state_head(model) -> None:
     """Lets ``model(..., grpo_fast_head=head)`` run the backbone and return
-    ``head(last_hidden_state [B, L, H], lm_head)`` instead of the logits. Without the keyword
-    the forward is the previous one (generation and TRL's own fused head unchanged)."""
+    ``head(hidden [B, T, H], lm_head)`` instead of the logits, ``hidden`` the last hidden
+    states that predict the T = ``head.ids.shape[1]`` completion tokens. With
+    ``grpo_fast_pack`` (a :func:`~grpo_fast.packing.pack_by_prompt` of the rows)
+    the backbone runs on the pack instead of the padded rows, each shared prompt once, and
+    ``hidden`` is 0 where a row has no token. Without the keywords the forward is the
+    previous one (generation and TRL's own fused head unchanged)."""
     previous = model.forward
 
     @functools.wraps(type(model).forward)  # generate() validates its kwargs against this signature
-    def forward(self, *args, grpo_fast_head=None, **kwargs):
+    def forward(self, *args, grpo_fast_head=None, grpo_fast_pack=None, **kwargs):
         if grpo_fast_head is None:
             return previous(*args, **kwargs)
-        for unused in ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep"):  # PEFT passes them
-            kwargs.pop(unused, None)
-        kwargs["use_cache"] = False
-        hidden = self.base_model(*args, **kwargs).last_hidden_state
+        if grpo_fast_pack is not None:
+            hidden = to_grid(packed_hidden(self, grpo_fast_pack).unsqueeze(0), grpo_fast_pack)
+        else:
+            for unused in ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep"):  # PEFT passes them
+                kwargs.pop(unused, None)
+            kwargs["use_cache"] = False
+            T = grpo_fast_head.ids.shape[1]
+            hidden = self.base_model(*args, **kwargs).last_hidden_state[:, -T - 1 : -1]
         return grpo_fast_head(hidden, self.get_output_embeddings())
 
     model.forward = types.MethodType(forward, model)
@@ -134,15 +151,14 @@ def head_operands(hidden, lm_head, fp32: bool):
 
 
 class LogprobsHead:
-    """The no-grad head: per-token log-probs (and entropies) of the last ``ids.shape[1]`` positions."""
+    """The no-grad head: per-token log-probs (and entropies) of the completion tokens ``ids``."""
 
     def __init__(self, ids, temperature, return_entropy, fp32):
         self.ids, self.temperature, self.return_entropy, self.fp32 = ids, temperature, return_entropy, fp32
 
     def __call__(self, hidden, lm_head):
-        T = self.ids.shape[1]
         with maybe_gather_lm_head_ctx(lm_head.weight, lm_head.bias):
-            hidden, weight, bias = head_operands(hidden[:, -T - 1 : -1], lm_head, self.fp32)
+            hidden, weight, bias = head_operands(hidden, lm_head, self.fp32)
             with torch.autocast(hidden.device.type, enabled=False):
                 return fused_linear_token_logprobs(
                     hidden,
@@ -169,11 +185,8 @@ class LossHead:
 
     def __call__(self, hidden, lm_head):
         config, ids, mask = self.config, self.ids, self.mask
-        T = ids.shape[1]
         with maybe_gather_lm_head_ctx(lm_head.weight, lm_head.bias):
-            hidden, weight, bias = head_operands(
-                hidden[:, -T - 1 : -1], lm_head, self.trainer.args.cast_lm_head_to_fp32
-            )
+            hidden, weight, bias = head_operands(hidden, lm_head, self.trainer.args.cast_lm_head_to_fp32)
             with torch.autocast(hidden.device.type, enabled=False):
                 weights, entropy = self.weights, None
                 if self.trainer.top_entropy_quantile < 1.0:
@@ -207,9 +220,13 @@ class GRPOTrainer(trl.GRPOTrainer):
     and what defers to TRL.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, shared_prefix: bool = True, **kwargs):
+        if not isinstance(shared_prefix, bool):
+            raise TypeError(f"shared_prefix must be a bool, got {shared_prefix!r}")
         super().__init__(*args, **kwargs)
         self._grpo_fast_warned = set()
+        # Each prompt through the backbone once per micro-batch, where the model can take it.
+        self.shared_prefix = shared_prefix and shared_layout_blocker(self.model) is None
         add_hidden_state_head(self.model.get_base_model() if is_peft_model(self.model) else self.model)
         if self.ref_model is not None:
             add_hidden_state_head(self.ref_model)
@@ -266,6 +283,16 @@ class GRPOTrainer(trl.GRPOTrainer):
             sapo_tau_neg=args.sapo_temperature_neg,
         )
 
+    def _backbone_inputs(self, input_ids, attention_mask, num_completion_tokens: int) -> dict:
+        """The backbone's inputs for rows [B, L] whose last ``num_completion_tokens`` columns
+        are completions: packed with each repeated prompt once (``shared_prefix``; positions
+        are the padded columns, as TRL's forward has them), else the padded rows."""
+        if self.shared_prefix:
+            packed = pack_by_prompt(input_ids, attention_mask, num_completion_tokens, padded_positions=True)
+            if packed.prefix is not None:
+                return {"grpo_fast_pack": packed}
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
     # ------------------------------------------------------------------ the overridden steps
 
     def _get_per_token_logps_and_entropies(
@@ -301,7 +328,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                 input_ids[rows, -logits_to_keep:], self.temperature, compute_entropy, self.args.cast_lm_head_to_fp32
             )
             with self.accelerator.autocast():
-                out = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows], grpo_fast_head=head)
+                out = model(
+                    **self._backbone_inputs(input_ids[rows], attention_mask[rows], logits_to_keep), grpo_fast_head=head
+                )
             logp, entropy = out if compute_entropy else (out, None)
             logps.append(logp)
             entropies.append(entropy)
@@ -335,12 +364,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
             weights,
         )
+        ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
         with self.accelerator.autocast():
-            loss = model(
-                input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
-                attention_mask=torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
-                grpo_fast_head=head,
-            )
+            loss = model(**self._backbone_inputs(ids, attention, completion_ids.shape[1]), grpo_fast_head=head)
         self._grpo_fast_metrics(mode, config, head)
         return loss / self._loss_normalizer(config, inputs, mode)
 

@@ -248,7 +248,7 @@ class GRPOTrainer:
         record = proximal is None and (
             self.config.num_iterations > 1 or corrects(batch.samples, self.config.correction_options())
         )
-        return accumulate(self.modules, self.policy, batch, proximal, self.config, self.runtime.ranks, record)
+        return accumulate(self.modules, batch, proximal, self.config, self.runtime.ranks, record)
 
     def optimizer_step(self) -> dict:
         """Clips the gradient norm, steps the optimizer and the schedule, clears the gradients.

@@ -3,8 +3,8 @@
     build.py          the policy and tokenizer (a Hub name, a folder, or a built-in task's), LoRA,
                       gradient checkpointing, the frozen reference, the modules wrapped for the
                       job (DDP or FSDP2)
-    packing.py        padding-free forwards: a micro-batch's sequences back to back in one row,
-                      the attention that keeps each to itself, the LM head at completion positions
+    packing.py        how a run packs its rollouts for its model (whole rows, or each group's
+                      prompt once); the layout and its attention are ``grpo_fast/packing/``'s
     packed_policy.py  the packed forward and its loss as one module (what DDP wraps, FSDP2 shards)
 
 Training, the reference pass, the old-log-prob pass and a rollout worker's passes all run

@@ -8,11 +8,11 @@ import warnings
 
 import torch
 
+from grpo_fast.packing import Packed
 from grpo_fast.spec import LossConfig
 from grpo_fast.tasks.datasets import is_local_path
 from grpo_fast.trainer import distributed
 from grpo_fast.trainer.model.packed_policy import PackedPolicy, filler
-from grpo_fast.trainer.model.packing import Packed
 
 
 def check_model_source(config) -> None:
@@ -38,7 +38,7 @@ def load_model_and_tokenizer(config, flash_attention: bool = False, before_model
     """The policy and tokenizer: ``config.model`` (a Hub name at ``config.model_revision``, or
     a local folder) through ``from_pretrained``, or the built-in task's (``config.task``).
     ``flash_attention`` loads the model with ``flash_attention_2``, whose varlen kernels run the
-    packed forwards (see ``packing.py``). ``before_model(tokenizer)`` runs between the two (a
+    packed forwards (see ``grpo_fast/packing/``). ``before_model(tokenizer)`` runs between the two (a
     run with tools checks its chat template there, before the model takes its time to load).
     A built-in task with a warm start (tool_arithmetic) runs it, ``tools`` saying whether the
     run has tools (its demonstrations call them or answer directly)."""

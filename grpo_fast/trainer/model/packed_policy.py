@@ -1,7 +1,7 @@
 """The policy's packed forward and its loss as one module: what DDP wraps and FSDP2 shards.
 
 Every use of the weights in a training or log-prob pass happens inside
-:meth:`PackedPolicy.forward`: the packed forward (``packing.py``), the LM head and, given
+:meth:`PackedPolicy.forward`: the packed forward (``grpo_fast/packing/``), the LM head and, given
 :class:`LossInputs`, the loss of the micro-batch. That is where the distributed wrappers act:
 DDP arms its gradient reduction in the wrapper's forward, and FSDP2 gathers a unit's weights
 around its forward only, so the fused LM-head loss, which reads the head's weight itself,
@@ -16,8 +16,8 @@ from grpo_fast import fused_linear_token_logprobs, policy_loss, token_logprobs
 from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_with_tokens
 from grpo_fast.ops.policy import LossInputs
 from grpo_fast.outputs import LossOutput
+from grpo_fast.packing import Packed, pack, packed_hidden, packed_logits, to_grid
 from grpo_fast.spec import LossConfig, SamplingCorrection, sampling_correction
-from grpo_fast.trainer.model.packing import Packed, pack, packed_hidden, packed_logits, to_grid
 
 
 def filler(device: torch.device) -> Packed:

@@ -3,9 +3,10 @@
     batch = StepBatch(...)        rewards -> group advantages (every rank's rewards), the
                                   reference pass's log-probs, the packed micro-batches
 
-Micro-batches are cut once by the token budget (``trainer/model/packing.py``) and serve the
-reference pass and every training pass (``passes.py``). Under torchrun the group advantages are
-computed from every rank's rewards (see ``trainer/distributed.py``).
+Micro-batches are cut once by the token budget (``trainer/model/packing.py``; the layout is
+``grpo_fast/packing/``'s) and serve the reference pass and every training pass
+(``passes.py``). Under torchrun the group advantages are computed from every rank's rewards
+(see ``trainer/distributed.py``).
 """
 
 import dataclasses

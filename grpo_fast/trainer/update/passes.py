@@ -13,7 +13,7 @@ the first pass applies the loss spec's ``sampling_correction`` of them against i
 micro-batch by micro-batch (``PackedPolicy``), which the later passes keep. No extra forward
 computes either, where TRL runs one.
 
-Every forward runs on packed sequences (``trainer/model/packing.py``: no padding computed, the
+Every forward runs on packed sequences (``grpo_fast/packing/``: no padding computed, the
 LM head only at completion positions), weighted by the loss spec so that the accumulated
 gradient equals the full-batch gradient for every loss type. Under torchrun the loss
 normalisers and micro-batch weights come from global row and token counts.
@@ -25,10 +25,10 @@ import math
 import torch
 
 from grpo_fast.ops.policy import LossInputs
+from grpo_fast.packing import to_grid
 from grpo_fast.spec import SAMPLING_CORRECTIONS
 from grpo_fast.trainer import distributed
 from grpo_fast.trainer.model.packed_policy import Behaviour
-from grpo_fast.trainer.model.packing import packed_attention, to_grid
 from grpo_fast.trainer.rollout.samples import Samples
 from grpo_fast.trainer.update.batch import StepBatch
 from grpo_fast.trainer.update.metrics import PASS_METRICS
@@ -105,7 +105,7 @@ def sampling_metrics(proximal, behaviour, mask, ratio, sequence_level: bool, ran
     }
 
 
-def accumulate(modules, policy, batch: StepBatch, proximal: Proximal | None, config, ranks, record: bool):
+def accumulate(modules, batch: StepBatch, proximal: Proximal | None, config, ranks, record: bool):
     """Backward over the batch's packed micro-batches: the summed gradient is the full batch's.
     Each micro-batch's loss is weighted by the loss type's aggregation (the loss spec) over the
     global batch's row and token counts, times the world size, since DDP and FSDP2 average
@@ -130,9 +130,7 @@ def accumulate(modules, policy, batch: StepBatch, proximal: Proximal | None, con
     by_rows = by_rows if loss_config.importance_sampling == "sequence" else set()
     logprobs, corrections = [], []
     for packed, sync in ranks.lockstep(batch.micro_batches):
-        # The packed attention holds through the backward: gradient checkpointing recomputes
-        # each layer's forward there, and must attend as the forward did.
-        with distributed.gradient_sync(modules.train, sync), packed_attention(policy):
+        with distributed.gradient_sync(modules.train, sync):
             if packed is None:
                 (modules.train(modules.filler).sum() * 0.0).backward()
                 continue

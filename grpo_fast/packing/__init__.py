@@ -1,0 +1,46 @@
+"""Padding-free forwards: a micro-batch's sequences back to back in one row, each shared
+prompt once, and the attention that keeps each to itself.
+
+    layout.py     the packed layout (:class:`Packed`, :func:`pack`, shared prefixes,
+                  :func:`pack_by_prompt`), the token-budget micro-batches, :func:`to_grid`
+    attention.py  :func:`packed_sdpa` (whole rows and shared prefixes), the packed forwards
+                  :func:`packed_logits` and :func:`packed_hidden`, what cannot take the layout
+
+The trainer and the TRL drop-in both pack with it; it imports nothing of theirs.
+"""
+
+from grpo_fast.packing.attention import (
+    PACKED_ATTENTION,
+    packed_attention,
+    packed_hidden,
+    packed_logits,
+    packed_sdpa,
+    shared_layout_blocker,
+)
+from grpo_fast.packing.layout import (
+    Packed,
+    SharedPrefix,
+    micro_batches,
+    pack,
+    pack_by_prompt,
+    pack_micro_batches,
+    row_lengths,
+    to_grid,
+)
+
+__all__ = [
+    "PACKED_ATTENTION",
+    "Packed",
+    "SharedPrefix",
+    "micro_batches",
+    "pack",
+    "pack_by_prompt",
+    "pack_micro_batches",
+    "packed_attention",
+    "packed_hidden",
+    "packed_logits",
+    "packed_sdpa",
+    "row_lengths",
+    "shared_layout_blocker",
+    "to_grid",
+]

@@ -1,0 +1,211 @@
+"""The attention of a packed micro-batch (``layout.py``), and the packed forwards.
+
+Attention must keep each sequence to itself: with ``flash_attention_2`` transformers reads
+``cu_seq_lens_*`` and runs the varlen kernel; otherwise :func:`packed_attention` switches the
+model to :func:`packed_sdpa`, which gathers the packed queries, keys and values onto a
+[n, heads, longest, d] grid and makes one causal SDPA call (exact: a real query attends only
+to real keys of its own sequence). The grid costs n * longest^2 in attention alone, against
+S^2 for the block-diagonal mask transformers builds from restarting ``position_ids``
+(measured 2-3x slower than the grid on the demo's 128 short sequences).
+
+A shared-prefix pack (:class:`~grpo_fast.packing.layout.SharedPrefix`) attends each prompt
+causally to itself and each completion to its prompt and causally to itself, never to another
+completion: two SDPA calls on gathered grids, no S x S mask. flash-attention's varlen kernel
+cannot take that layout, nor can :func:`packed_sdpa` take a sliding window or logit
+softcapping, so those models pack whole rows (:func:`shared_layout_blocker`).
+"""
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+from grpo_fast.packing.layout import Packed, SharedPrefix
+
+logger = logging.getLogger("grpo_fast")
+
+PACKED_ATTENTION = "grpo_fast_packed_sdpa"
+
+
+def shared_layout_blocker(model) -> str | None:
+    """Why ``model``'s attention cannot run the shared layout (a phrase, logged once per
+    process), or None: flash-attention's varlen kernel would let a completion see its group's
+    other completions, and :func:`packed_sdpa` has no sliding window or logit softcapping."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    implementation = model.config._attn_implementation or ""
+    if implementation.startswith("flash_attention"):
+        reason = f"{implementation} (its varlen kernel would let a group's completions see each other)"
+    elif "sliding_attention" in (getattr(text, "layer_types", None) or ()) or (
+        getattr(text, "layer_types", None) is None
+        and getattr(text, "sliding_window", None) is not None
+        and getattr(text, "use_sliding_window", True)
+    ):
+        reason = "sliding-window attention"
+    elif getattr(text, "attn_logit_softcapping", None) is not None:
+        reason = "attention logit softcapping"
+    else:
+        return None
+    _whole_rows_for(reason)
+    return reason
+
+
+@functools.cache
+def _whole_rows_for(reason: str) -> None:
+    """Says once per process why every row is packed whole."""
+    logger.info("shared_prefix: a model with %s cannot take the shared layout; every row is packed whole", reason)
+
+
+def packed_sdpa(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling=None,
+    *,
+    cu_seq_lens_q: torch.Tensor,
+    max_length_q: int,
+    **kwargs,
+):
+    """Attention of sequences packed in one row, each causal and to itself (a transformers
+    attention function; see the module docstring).
+
+    query [1, heads, S, d], key and value [1, kv_heads, S, d]; ``cu_seq_lens_q`` [n + 1] the
+    sequence boundaries, ``max_length_q`` the longest. Returns ([1, S, heads, d], None).
+    """
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise ValueError(
+            "packed_sdpa computes full causal attention; a model with a sliding window or logit softcapping needs "
+            "attn_implementation='flash_attention_2' for packed sequences"
+        )
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if kwargs.get("shared_prefix") is not None:
+        return _shared_prefix_sdpa(query, key, value, kwargs["shared_prefix"], dropout, scaling), None
+    starts = cu_seq_lens_q[:-1].long()
+    lengths = cu_seq_lens_q.diff().long()
+    (heads, S, d), n, longest = query.shape[1:], len(lengths), max_length_q
+    # Grid slot (i, j) reads packed position starts[i] + j; past a sequence's end that is some
+    # other token, which no real query sees: causally, query j attends keys 0..j only.
+    reads = (starts.unsqueeze(1) + torch.arange(longest, device=query.device)).clamp(max=S - 1).view(-1)
+    seq = torch.repeat_interleave(torch.arange(n, device=query.device), lengths, output_size=S)
+    slots = seq * longest + torch.arange(S, device=query.device) - starts[seq]  # [S] each token's grid slot
+
+    def grid(x):  # [1, h, S, d] -> [n, h, longest, d]
+        return x[0].index_select(1, reads).view(x.shape[1], n, longest, d).transpose(0, 1)
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grid(query), grid(key), grid(value), dropout_p=dropout, is_causal=True, scale=scaling
+    )  # [n, h, longest, d]
+    return out.transpose(1, 2).reshape(n * longest, heads, d).index_select(0, slots).unsqueeze(0), None
+
+
+def _shared_prefix_sdpa(query, key, value, prefix: SharedPrefix, dropout: float, scaling):
+    """Attention of a shared-prefix pack: each prompt causally over itself on a [U, Pmax] grid,
+    each completion over its prompt's keys and causally over its own on [M, Rmax] queries and
+    [M, Pmax + Rmax] keys, with the mask :func:`pack` built. Every query sees its prompt's first
+    key, so no row of the mask is empty (no NaN, even at the grids' padding, whose outputs are
+    dropped). q/k/v [1, heads, S, d] (k/v already repeated to the query heads); returns
+    [1, S, heads, d]."""
+    heads, d = query.shape[1], query.shape[3]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def grid(x, reads, width):  # [1, h, S, d] -> [rows, h, width, d]
+        return x[0].index_select(1, reads).view(heads, -1, width, d).transpose(0, 1)
+
+    P = prefix.longest_prompt
+    R = prefix.key_mask.shape[2]
+    prompt_q, prompt_k, prompt_v = (grid(x, prefix.prompt_reads, P) for x in (query, key, value))
+    prompt_out = sdpa(prompt_q, prompt_k, prompt_v, dropout_p=dropout, is_causal=True, scale=scaling)
+    keys, values = (grid(x, prefix.key_reads, P + R) for x in (key, value))
+    completion_out = sdpa(
+        grid(query, prefix.query_reads, R), keys, values, attn_mask=prefix.key_mask, dropout_p=dropout, scale=scaling
+    )
+    flat = torch.cat([out.transpose(1, 2).reshape(-1, heads, d) for out in (prompt_out, completion_out)])
+    return flat.index_select(0, prefix.slots).unsqueeze(0)
+
+
+@contextlib.contextmanager
+def packed_attention(model):
+    """Inside the block ``model`` attends within packed sequences: flash-attention models as
+    they are (they read ``cu_seq_lens_*``), any other through :func:`packed_sdpa`."""
+    config = model.config
+    saved = config._attn_implementation
+    if saved is not None and saved.startswith("flash_attention"):
+        yield model
+        return
+    from transformers import AttentionInterface
+
+    if PACKED_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
+    config._attn_implementation = PACKED_ATTENTION
+    try:
+        yield model
+    finally:
+        config._attn_implementation = saved
+
+
+class _AttendPackedInBackward(torch.autograd.Function):
+    """The identity on a packed forward's output. Its backward, the first of the pass to run,
+    switches the model to :func:`packed_sdpa` until the backward ends: gradient checkpointing
+    recomputes each layer's forward there, after :func:`packed_attention` has exited, and the
+    recomputation must attend as the forward did (whoever calls the backward: our trainer,
+    TRL's)."""
+
+    @staticmethod
+    def forward(ctx, config, output):
+        ctx.config = config
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        config, saved = ctx.config, ctx.config._attn_implementation
+        if saved != PACKED_ATTENTION:
+            config._attn_implementation = PACKED_ATTENTION
+
+            def restore():
+                config._attn_implementation = saved
+
+            torch.autograd.Variable._execution_engine.queue_callback(restore)
+        return None, grad
+
+
+def _held_through_backward(model, output: torch.Tensor) -> torch.Tensor:
+    """``output`` of a packed forward of ``model``, its backward attending packed (see
+    :class:`_AttendPackedInBackward`); flash-attention models need nothing."""
+    implementation = model.config._attn_implementation or ""
+    if not output.requires_grad or implementation.startswith("flash_attention"):
+        return output
+    return _AttendPackedInBackward.apply(model.config, output)
+
+
+def _packed_inputs(packed: Packed) -> dict:
+    cu, longest = packed.cu_seqlens, packed.max_length
+    shared = {} if packed.prefix is None else {"shared_prefix": packed.prefix}
+    return dict(
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        use_cache=False,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=longest,
+        max_length_k=longest,
+        **shared,
+    )
+
+
+def packed_logits(model, packed: Packed) -> torch.Tensor:
+    """The logits that predict the completion tokens: [1, Nc, V] (the LM head runs there only)."""
+    with packed_attention(model):
+        logits = model(**_packed_inputs(packed), logits_to_keep=packed.logit_index).logits
+    return _held_through_backward(model, logits)
+
+
+def packed_hidden(model, packed: Packed) -> torch.Tensor:
+    """The last hidden states (after the final norm) that predict the completion tokens: [Nc, H]."""
+    with packed_attention(model):
+        hidden = model.get_decoder()(**_packed_inputs(packed)).last_hidden_state
+    return _held_through_backward(model, hidden[0, packed.logit_index])

@@ -1,0 +1,317 @@
+"""Padding-free layouts: a rollout's sequences packed back to back into one row.
+
+A rollout is stored padded ([N, P + C]: left-padded prompts, right-padded completions); a
+forward over it would spend most of its work on padding when lengths spread. A packed
+micro-batch holds only real tokens:
+
+    input_ids     [1, S]   the rows' prompt + completion tokens, back to back
+    position_ids  [1, S]   restart at 0 with each sequence
+    cu_seqlens    [n + 1]  sequence boundaries (flash-attention's varlen layout)
+
+so the model's dense layers and the LM head see no padding at all (the attention that keeps
+each sequence to itself is ``attention.py``'s). The LM head runs only at the positions that
+predict completion tokens (``logit_index``), so the loss takes the Nc completion tokens as
+flat rows with their sequence boundaries ``completion_cu_seqlens``: no padding anywhere. Only
+per-token values that a rollout stores (log-probs [N, C]) go to the rows' [n, C] completion
+grid (:func:`to_grid`), which costs O(n * C).
+
+Shared prefixes (``--shared-prefix``; ``groups``): rows that share their prompt (a GRPO
+group's G rows) pack as one unit ``[prompt | completion_1 | ... | completion_g]``: the prompt
+runs through the model once per micro-batch instead of G times (a group a micro-batch
+boundary splits carries its prompt on both sides). A completion's positions continue from the
+prompt's, as unshared; the prompt's last token predicts every completion's first
+(``logit_index`` repeats it); :class:`SharedPrefix` holds what the attention gathers with. The
+outputs and gradients are those of the whole rows: the prompt's gradient is the sum over its
+completions (tests/test_shared_prefix.py, to 1e-10 in float64).
+
+A row's extent is its attention mask, never its completion mask: in a multi-turn rollout a
+completion interleaves the model's tokens with a tool's output, whose tokens are real (context
+for every forward pass: attention 1) but out of the loss (completion_mask 0, so that mask is no
+prefix of ones). Here they are completion tokens like the model's (packed, attended to, their
+log-probs computed); the loss, its token counts and the sampling correction read the
+completion mask, which gives them weight 0 (``step.loss_inputs``; tests/test_tool_mask.py).
+"""
+
+from typing import NamedTuple
+
+import torch
+
+
+class Packed(NamedTuple):
+    """Rows ``rows`` of a padded rollout, packed (see the module docstring).
+
+    targets [1, Nc] the completion tokens; logit_index [Nc] the packed positions whose
+    logits predict them; completion_cu_seqlens [n + 1] the rows' boundaries among them;
+    grid ``(row [Nc], col [Nc])`` their places in the rows' [n, C] completion grid, whose
+    shape is ``grid_shape``.
+    """
+
+    rows: slice
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_length: int
+    targets: torch.Tensor
+    logit_index: torch.Tensor
+    completion_cu_seqlens: torch.Tensor
+    grid: tuple
+    grid_shape: tuple
+    prefix: "SharedPrefix | None" = None
+
+
+class SharedPrefix(NamedTuple):
+    """The attention layout of a shared-prefix pack (``pack(..., groups=...)``): U units
+    ``[prompt | completion_1 | ... | completion_g]``, M completions among them, as the index
+    maps :func:`packed_sdpa` gathers with (all built once per micro-batch, with the pack).
+
+    prompt_reads [U * Pmax]: packed positions of each unit's prompt on a [U, Pmax] grid;
+    query_reads [M * Rmax]: of each completion on a [M, Rmax] grid; key_reads
+    [M * (Pmax + Rmax)]: its unit's prompt then itself; key_mask [M, 1, Rmax, Pmax + Rmax]:
+    the keys a completion's query sees (its prompt, then itself causally); slots [S]: each
+    packed token's place in the prompt grid followed by the completion grid.
+    """
+
+    prompt_reads: torch.Tensor
+    longest_prompt: int
+    query_reads: torch.Tensor
+    key_reads: torch.Tensor
+    key_mask: torch.Tensor
+    slots: torch.Tensor
+
+
+def row_lengths(
+    attention_mask: torch.Tensor, num_completion_tokens: int, input_ids=None, group_size: int | None = None
+) -> list:
+    """``[(real tokens, prompt tokens)]`` of each row of a padded rollout, read to the host once:
+    what :func:`pack` and the micro-batch split need to know on the host. With ``input_ids``
+    and ``group_size`` G, ``[(real, prompt, same)]``: ``same`` whether the row's prompt is its
+    group's first row's (rows ``G * k`` on), in the same read."""
+    P = attention_mask.shape[1] - num_completion_tokens
+    columns = [attention_mask.sum(1), attention_mask[:, :P].sum(1)]
+    if _checked(group_size) is not None:
+        if attention_mask.shape[0] % group_size:
+            raise ValueError(f"group_size={group_size} must divide the rollout's {attention_mask.shape[0]} rows")
+        prompts = (input_ids[:, :P] * attention_mask[:, :P]).view(-1, group_size, P)
+        columns.append((prompts == prompts[:, :1]).all(2).view(-1))
+    return torch.stack(columns, 1).long().tolist()
+
+
+def pack(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion_tokens: int,
+    rows: slice,
+    lengths: list | None = None,
+    groups: list | None = None,
+    padded_positions: bool = False,
+) -> Packed:
+    """Packs rows ``rows`` of a padded rollout: input_ids and attention_mask [N, P + C], the
+    last C = ``num_completion_tokens`` columns the completions. A row's real tokens are
+    those of its attention mask, in order. ``lengths``: the rows' :func:`row_lengths`, if
+    already on the host (else read here).
+
+    ``groups``: a key per row of the slice; consecutive rows with equal keys share their prompt
+    (a GRPO group, or a run of equal prompts), which is then packed once, as
+    ``[prompt | completion_1 | ... | completion_g]`` (see :class:`SharedPrefix`). None packs
+    every row whole. ``padded_positions``: a token's position is its padded column (what a
+    padded forward without ``position_ids`` uses, as TRL's does) instead of its index among
+    the row's real tokens."""
+    ids, real = input_ids[rows], attention_mask[rows].bool()
+    n, L = ids.shape
+    C = num_completion_tokens
+    if groups is not None and len(groups) != n:
+        raise ValueError(f"groups must hold one key per row of the slice ({n}), got {len(groups)}")
+    if lengths is None:
+        lengths = row_lengths(attention_mask[rows], C)
+    if any(prompt == 0 and total > 0 for total, prompt in lengths):
+        raise ValueError("every row needs at least one prompt token: the first completion token is predicted from it")
+    if not any(total > prompt for total, prompt in lengths):
+        groups = None  # no completion token to share a prompt for
+    units = _units(rows, lengths, groups)  # [(first row, rows)] in this micro-batch
+    prompts = [lengths[first][1] for first, _ in units]
+    completion_lengths = [total - prompt for total, prompt in lengths]
+    Nc = sum(completion_lengths)
+    S = Nc + sum(prompts) if groups is not None else sum(total for total, _ in lengths)
+    # The real tokens' flat positions [S]; their count is known on the host, so finding them
+    # needs no device-to-host read (nonzero_static, not a boolean index). Shared: a unit's
+    # later rows keep their completion tokens only.
+    keep = real.clone()
+    if groups is not None:
+        later = torch.ones(n, dtype=torch.bool)
+        later[[first for first, _ in units]] = False
+        keep[later.to(ids.device), : L - C] = False
+    flat = torch.nonzero_static(keep.reshape(-1), size=S).squeeze(1)
+    columns, row_of = flat % L, flat // L  # [S] each token's padded column and row
+    # [Nc] packed positions of completion tokens (a row's completion tokens follow its prompt's)
+    completion = torch.nonzero_static(columns >= L - C, size=Nc).squeeze(1)
+    if groups is None:
+        sequences, logit_index, prefix = [total for total, _ in lengths], completion - 1, None
+    else:
+        sequences = [p + sum(completion_lengths[r] for r in members) for p, (_, members) in zip(prompts, units)]
+        logit_index, prefix = _shared_layout(units, prompts, completion_lengths, completion, ids.device)
+    cu_seqlens = torch.tensor([0] + sequences, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    completion_cu = torch.tensor([0] + completion_lengths, dtype=torch.int64).cumsum(0)
+    packed_ids = ids.reshape(-1)[flat].unsqueeze(0)
+    return Packed(
+        rows=rows,
+        input_ids=packed_ids,
+        # A completion's positions continue from its prompt's, shared or not.
+        position_ids=(columns if padded_positions else (real.cumsum(1) - 1).reshape(-1)[flat]).unsqueeze(0),
+        cu_seqlens=cu_seqlens.to(ids.device),
+        max_length=max(sequences, default=0),
+        targets=packed_ids[:, completion],
+        logit_index=logit_index,
+        completion_cu_seqlens=completion_cu.to(ids.device),
+        grid=(row_of[completion], columns[completion] - (L - C)),
+        grid_shape=(n, C),
+        prefix=prefix,
+    )
+
+
+def _checked(group_size):
+    """``group_size``, a positive int or None; else a ValueError naming it."""
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+        raise ValueError(f"group_size must be a positive int or None, got {group_size!r}")
+    return group_size
+
+
+def _units(rows: slice, lengths: list, groups: list | None) -> list:
+    """``[(first row, [rows])]`` (indices within the slice) of the packed units: each row alone,
+    or the runs of consecutive rows with one key of ``groups`` (a group the micro-batch splits
+    gives a unit on each side)."""
+    if groups is None:
+        return [(i, [i]) for i in range(len(lengths))]
+    units = []
+    for i, key in enumerate(groups):
+        if i and key == groups[i - 1]:
+            units[-1][1].append(i)
+        else:
+            units.append((i, [i]))
+    for _, members in units:
+        if len({lengths[i][1] for i in members}) > 1:
+            raise ValueError(
+                f"rows {[rows.start + i for i in members]} of one group have prompts of different lengths "
+                f"{[lengths[i][1] for i in members]}; a group's rows must share their prompt"
+            )
+    return units
+
+
+def _shared_layout(units: list, prompts: list, completion_lengths: list, completion, device):
+    """The logit index [Nc] of a shared-prefix pack (a completion's first token is predicted by
+    its unit's last prompt token) and its :class:`SharedPrefix`, from the host's lengths."""
+    prompt_starts, query_starts, query_units, start = [], [], [], 0
+    for u, (prompt, (_, members)) in enumerate(zip(prompts, units)):
+        prompt_starts.append(start)
+        start += prompt
+        for r in members:
+            query_starts.append(start)
+            query_units.append(u)
+            start += completion_lengths[r]
+    U, M = len(units), len(query_starts)
+    longest_prompt, longest = max(prompts, default=0), max(completion_lengths, default=0)
+    S = start
+    arange = torch.arange
+    prompt_starts_t = torch.tensor(prompt_starts, dtype=torch.long)
+    prompt_reads = (prompt_starts_t[:, None] + arange(longest_prompt)).clamp(max=max(S - 1, 0))
+    query_starts_t, query_units_t = torch.tensor(query_starts, dtype=torch.long), torch.tensor(query_units)
+    query_reads = (query_starts_t[:, None] + arange(longest)).clamp(max=max(S - 1, 0))
+    key_reads = torch.cat([prompt_reads[query_units_t], query_reads], 1)  # [M, Pmax + Rmax]
+    prompt_seen = arange(longest_prompt) < torch.tensor(prompts)[query_units_t][:, None]  # [M, Pmax]
+    own_seen = arange(longest)[None, :] <= arange(longest)[:, None]  # [Rmax, Rmax]: causal
+    key_mask = torch.cat([prompt_seen[:, None, :].expand(M, longest, longest_prompt), own_seen.expand(M, -1, -1)], 2)
+    slots = torch.empty(S, dtype=torch.long)
+    for u, (begin, prompt) in enumerate(zip(prompt_starts, prompts)):
+        slots[begin : begin + prompt] = u * longest_prompt + arange(prompt)
+    for m, (begin, length) in enumerate(zip(query_starts, completion_lengths)):  # the units hold the rows in order
+        slots[begin : begin + length] = U * longest_prompt + m * longest + arange(length)
+    lengths = torch.tensor(completion_lengths, dtype=torch.long)  # [M]
+    # Each completion's first token comes from its unit's last prompt position; the others
+    # from the position before them, as unshared.
+    firsts = torch.tensor([0] + lengths.tolist()).cumsum(0)[:-1][lengths > 0]
+    logit_index = completion - 1
+    last_prompt = (prompt_starts_t + torch.tensor(prompts) - 1)[query_units_t][lengths > 0]
+    logit_index = logit_index.index_put((firsts.to(device),), last_prompt.to(device))
+    prefix = SharedPrefix(
+        prompt_reads=prompt_reads.reshape(-1).to(device),
+        longest_prompt=longest_prompt,
+        query_reads=query_reads.reshape(-1).to(device),
+        key_reads=key_reads.reshape(-1).to(device),
+        key_mask=key_mask[:, None].to(device),
+        slots=slots.to(device),
+    )
+    return logit_index, prefix
+
+
+def pack_by_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int, **options):
+    """Rows input_ids and attention_mask [N, P + C] (the last C = ``num_completion_tokens``
+    columns the completions) packed in one micro-batch, the rows with equal prompts sharing
+    theirs wherever they are in the batch (a shuffled batch's groups): they are packed as runs
+    of equal prompts, and the pack's ``grid`` maps its tokens back to the given rows, so that
+    :func:`to_grid` writes [N, C] in the caller's order. Whole rows when no prompt repeats.
+    ``options``: :func:`pack`'s ``padded_positions``."""
+    N, P = input_ids.shape[0], input_ids.shape[1] - num_completion_tokens
+    mask = attention_mask[:, :P]
+    _, key = torch.unique(torch.cat([input_ids[:, :P] * mask, mask], 1), dim=0, return_inverse=True)
+    order = torch.argsort(key, stable=True)
+    keys = key[order].tolist()
+    groups = keys if len(set(keys)) < N else None
+    rows = slice(0, N)
+    packed = pack(input_ids[order], attention_mask[order], num_completion_tokens, rows, groups=groups, **options)
+    row, column = packed.grid
+    return packed._replace(grid=(order.to(row.device)[row], column))
+
+
+def micro_batches(lengths: list, max_tokens: int | None, max_rows: int | None) -> list:
+    """Consecutive row slices of at most ``max_tokens`` tokens (a longer row alone) and at most
+    ``max_rows`` rows; None = no limit. ``lengths`` [N] are the rows' token counts."""
+    slices, start, tokens = [], 0, 0
+    for i, length in enumerate(lengths):
+        over_budget = max_tokens is not None and tokens + length > max_tokens
+        if (over_budget or (max_rows is not None and i - start == max_rows)) and i > start:
+            slices.append(slice(start, i))
+            start, tokens = i, 0
+        tokens += length
+    if len(lengths) > start:
+        slices.append(slice(start, len(lengths)))
+    return slices
+
+
+def pack_micro_batches(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion_tokens: int,
+    max_tokens,
+    max_rows,
+    group_size: int | None = None,
+) -> list:
+    """A padded rollout's rows (input_ids and attention_mask [N, P + C]) packed into the
+    :func:`micro_batches` of at most ``max_tokens`` tokens and ``max_rows`` rows, one read of
+    the rows' lengths to the host: a :class:`Packed` each. ``group_size`` G: rows ``G * k`` to
+    ``G * k + G - 1`` are a GRPO group, whose prompt is packed once per micro-batch (see
+    :func:`pack`). A function of the tokens and the limits alone, so that a rollout worker
+    packs a batch as the trainer will. The micro-batches are the same rows either way (the
+    budget counts every row's prompt)."""
+    lengths = row_lengths(attention_mask, num_completion_tokens, input_ids if group_size else None, group_size)
+    groups = None
+    if group_size is not None:
+        different = [i for i, (_, _, same) in enumerate(lengths) if not same]
+        if different:
+            raise ValueError(
+                f"group_size={group_size}: rows {different[:8]} have another prompt than their group's first row; "
+                "shared-prefix packing needs each group's G rows consecutive"
+            )
+        lengths = [(total, prompt) for total, prompt, _ in lengths]
+        groups = [row // group_size for row in range(len(lengths))]
+    slices = micro_batches([total for total, _ in lengths], max_tokens, max_rows)
+    return [
+        pack(input_ids, attention_mask, num_completion_tokens, rows, lengths[rows], groups and groups[rows])
+        for rows in slices
+    ]
+
+
+def to_grid(values: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """Per-completion-token values [1, Nc] or [1, Nc, H] onto the rows' [n, C] (or [n, C, H])
+    grid, 0 where a row has no token; differentiable."""
+    values = values[0]
+    grid = values.new_zeros(packed.grid_shape + values.shape[1:])
+    return grid.index_put(packed.grid, values)
