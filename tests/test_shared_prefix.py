@@ -12,8 +12,18 @@ import torch
 from conftest import max_err, rel_err
 from test_packing import assert_packed_equals_padded, float64_trainer
 
-from grpo_fast.packing import pack, pack_by_prompt, pack_micro_batches, packed_hidden, packed_logits, to_grid
+from grpo_fast.packing import (
+    ATTENTIONS,
+    pack,
+    pack_by_prompt,
+    pack_micro_batches,
+    packed_hidden,
+    packed_logits,
+    to_grid,
+)
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
+from grpo_fast.trainer import GRPOConfig
+from grpo_fast.trainer.choices import ATTENTION_KERNELS
 from grpo_fast.trainer.model.packing import shared_group_size
 
 C = 5  # the completions' columns
@@ -123,6 +133,33 @@ def test_shared_prefix_equals_every_row_whole(model, group_size):
             for a, b in zip(got, want):
                 assert rel_err(a, b) < 1e-10 and max_err(a, b) < 1e-10
     assert N == 3 * group_size and split == (group_size > 1)
+
+
+def test_flex_attention_equals_sdpa(model):
+    """``attention="flex"``: one FlexAttention call with the pack's block mask, whole rows and
+    shared prompts, equals SDPA on every row whole (float64, forward: FlexAttention has no CPU
+    backward, so its gradients are checked on CUDA by benchmarks/gpu/bench_trainer_step.py;
+    a CPU backward is refused by name)."""
+    input_ids, attention = rollout(8, [4, 1, 7])
+    whole = pack_micro_batches(input_ids, attention, C, None, None)[0]
+    with torch.no_grad():
+        want = packed_logits(model, whole), packed_hidden(model, whole)
+        for group_size in (None, 8):
+            flex = pack_micro_batches(input_ids, attention, C, None, 12, group_size, attention="flex")
+            assert flex[0].attention == "flex" and (flex[0].prefix is None) == (group_size is None)
+            got = [
+                torch.cat(values, dim)
+                for values, dim in zip(zip(*[(packed_logits(model, p), packed_hidden(model, p)) for p in flex]), (1, 0))
+            ]
+            for a, b in zip(got, want):
+                assert rel_err(a, b) < 1e-10 and max_err(a, b) < 1e-10
+    with pytest.raises(ValueError, match="attention='flex' trains on CUDA only"):
+        packed_hidden(model, flex[0]).sum().backward()
+    with pytest.raises(ValueError, match=r"attention must be one of \('sdpa', 'flex'\), got 'flash'"):
+        pack(input_ids, attention, C, slice(0, 2), attention="flash")
+    assert ATTENTION_KERNELS == ATTENTIONS  # the config validates the names before torch loads
+    with pytest.raises(ValueError, match=r"attention_kernel must be one of \('sdpa', 'flex'\), got 'flash'"):
+        GRPOConfig(attention_kernel="flash").validate()
 
 
 @pytest.mark.parametrize("overrides", [{}, {"lora_r": 4}, {"fused_linear": True}], ids=["full", "lora", "fused_linear"])

@@ -2,7 +2,8 @@
 model size, then grpo_fast's step against TRL's.
 
 Then (``shared_prefix`` in the JSON) one packed forward and backward with each group's
-prompt once against every row whole, checked against each other in float32 first.
+prompt once against every row whole, each on SDPA and on FlexAttention, checked against
+whole rows on SDPA in float32 first (log-probs and gradients).
 
 Loss paths: a randomly initialised Llama (hidden 1024, 12 layers, vocabulary 32000, about
 0.2B parameters; the demo's tokenizer padded to that vocabulary) trains on the arithmetic
@@ -97,10 +98,14 @@ def time_variant(fused_linear: bool, model_sizes: dict, run: dict, steps: int, d
 
 def shared_prefix_passes(model_sizes: dict, dry_run: bool, device: str, repeats: int) -> dict:
     """One micro-batch's packed forward and backward (the training pass's shape) with every row
-    whole against each group's prompt once (``pack(..., group_size=G)``), on the realistic
-    workload's layout: 4 groups of G = 8, prompts of 100-120 tokens, completions of 1-45. The
-    check: float32 log-probs of the two layouts agree (max abs difference); then bf16 autocast
-    on CUDA, the median of ``repeats`` timed passes after a warm-up, forward tokens and peak memory."""
+    whole against each group's prompt once (``group_size=G``), each attended by SDPA on
+    gathered grids and by FlexAttention with a block mask (``attention="flex"``), on the
+    realistic workload's layout: 4 groups of G = 8, prompts of 100-120 tokens, completions of
+    1-45. The check, in float32: each layout's log-probs, and on CUDA its gradient, against
+    whole rows on SDPA (max abs difference; FlexAttention has no CPU backward, so the dry run
+    times its forward only). Then bf16 autocast on CUDA: the median of ``repeats`` timed passes
+    after a warm-up (FlexAttention's compilation falls in the warm-up), forward tokens, peak
+    memory."""
     from grpo_fast import token_logprobs
     from grpo_fast.packing import pack_micro_batches, packed_logits
 
@@ -119,19 +124,33 @@ def shared_prefix_passes(model_sizes: dict, dry_run: bool, device: str, repeats:
             ids[i, P - length : P], ids[i, P : P + n] = prompt, torch.randint(3, V, (n,), generator=g)
             mask[i, P - length : P + n] = 1
     ids, mask = ids.to(device), mask.to(device)
+    trains = device == "cuda"  # FlexAttention's backward is CUDA's only
     layouts = {
-        name: pack_micro_batches(ids, mask, C, None, None, size)[0] for name, size in (("whole", None), ("shared", G))
+        (layout, kernel): pack_micro_batches(ids, mask, C, None, None, size, attention=kernel)[0]
+        for kernel in ("sdpa", "flex")
+        for layout, size in (("whole", None), ("shared", G))
     }
 
     def logprobs(packed, grad: bool):
         with torch.set_grad_enabled(grad):
             return token_logprobs(packed_logits(model, packed), packed.targets)
 
-    with torch.no_grad():
-        check = (logprobs(layouts["whole"], False) - logprobs(layouts["shared"], False)).abs().max().item()
+    def values(packed):  # float32 log-probs, and on CUDA the gradient of their sum
+        model.zero_grad(set_to_none=True)
+        logp = logprobs(packed, trains)
+        if not trains:
+            return logp, None
+        logp.sum().backward()
+        return logp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    truth = values(layouts["whole", "sdpa"])
     rows = []
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
-    for name, packed in layouts.items():
+    for (layout, kernel), packed in layouts.items():
+        logp, grad = values(packed)
+        check = dict(max_abs_logprob_diff_fp32=(logp - truth[0]).abs().max().item())
+        if grad is not None:
+            check["grad_rel_err_fp32"] = ((grad - truth[1]).norm() / truth[1].norm()).item()
         times = []
         for _ in range(repeats + 1):
             if device == "cuda":
@@ -139,8 +158,9 @@ def shared_prefix_passes(model_sizes: dict, dry_run: bool, device: str, repeats:
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             with autocast:
-                loss = logprobs(packed, True).sum()
-            loss.backward()
+                loss = logprobs(packed, trains).sum()
+            if trains:
+                loss.backward()
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
@@ -148,19 +168,25 @@ def shared_prefix_passes(model_sizes: dict, dry_run: bool, device: str, repeats:
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
         rows.append(
             dict(
-                layout=name,
+                layout=layout,
+                attention=kernel,
                 forward_tokens=packed.input_ids.shape[1],
-                fwd_bwd_s=statistics.median(times[1:]),
+                **check,
+                passed=check["max_abs_logprob_diff_fp32"] < 1e-4 and check.get("grad_rel_err_fp32", 0.0) < 1e-4,
+                fwd_bwd_s=statistics.median(times[1:]) if trains else None,
+                fwd_s=None if trains else statistics.median(times[1:]),
                 peak_mem_bytes=peak,
             )
         )
         print(json.dumps(rows[-1]), flush=True)
+    key = "fwd_bwd_s" if trains else "fwd_s"
+    base = rows[0][key]
     return dict(
         groups=groups,
         group_size=G,
-        check_max_abs_logprob_diff_fp32=check,
-        check_passed=check < 1e-4,
-        speedup=rows[0]["fwd_bwd_s"] / rows[1]["fwd_bwd_s"],
+        timed=key,
+        check_passed=all(row["passed"] for row in rows),
+        speedup={f"{row['layout']}/{row['attention']}": base / row[key] for row in rows},
         rows=rows,
     )
 
@@ -232,7 +258,9 @@ def main():
     write(report, out)
     shared = report["shared_prefix"]
     if not shared["check_passed"]:
-        raise SystemExit(f"shared prefix: the layouts' log-probs differ by {shared['check_max_abs_logprob_diff_fp32']}")
+        raise SystemExit(
+            f"shared prefix / attention kernels: a layout differs from whole rows on SDPA: {shared['rows']}"
+        )
 
 
 def write(report: dict, out: str) -> None:

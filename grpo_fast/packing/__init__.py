@@ -18,6 +18,7 @@ from grpo_fast.packing.attention import (
     shared_layout_blocker,
 )
 from grpo_fast.packing.layout import (
+    ATTENTIONS,
     Packed,
     SharedPrefix,
     micro_batches,
@@ -29,6 +30,7 @@ from grpo_fast.packing.layout import (
 )
 
 __all__ = [
+    "ATTENTIONS",
     "PACKED_ATTENTION",
     "Packed",
     "SharedPrefix",

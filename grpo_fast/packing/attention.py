@@ -81,6 +81,8 @@ def packed_sdpa(
             "attn_implementation='flash_attention_2' for packed sequences"
         )
     groups = query.shape[1] // key.shape[1]
+    if kwargs.get("flex_block_mask") is not None:
+        return _flex(query, key, value, kwargs["flex_block_mask"], dropout, scaling), None
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     if kwargs.get("shared_prefix") is not None:
@@ -148,6 +150,52 @@ def packed_attention(model):
         config._attn_implementation = saved
 
 
+def flex_block_mask(packed: Packed):
+    """FlexAttention's block mask of a pack (``packed.attention == "flex"``), built once per
+    forward: a query sees the keys of its own unit, causally, that are its unit's prompt or of
+    its own segment (a whole row is one segment; a shared-prefix unit has its prompt and each
+    completion as segments). The layout's per-token ids [S] stay on the device."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    S, device = packed.input_ids.shape[1], packed.input_ids.device
+    cu = packed.cu_seqlens.long()
+    U = len(cu) - 1
+    unit = torch.repeat_interleave(torch.arange(U, device=device), cu.diff(), output_size=S)
+    if packed.prefix is None:
+        segment, prompt = unit, torch.zeros(S, dtype=torch.bool, device=device)
+    else:  # a token's slot: the [U, Pmax] prompt grid, then the [M, Rmax] completion grid
+        slots, P, R = packed.prefix.slots, packed.prefix.longest_prompt, packed.prefix.key_mask.shape[2]
+        prompt = slots < U * P
+        segment = torch.where(prompt, slots // P, U + (slots - U * P) // R)
+
+    def visible(batch, head, q, k):
+        return (unit[q] == unit[k]) & (k <= q) & (prompt[k] | (segment[q] == segment[k]))
+
+    return create_block_mask(visible, None, None, S, S, device=device)
+
+
+@functools.cache
+def _flex_attention(compiled: bool):
+    """FlexAttention, compiled (CUDA: the fused block-sparse kernel) or eager (CPU: unfused)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if compiled else flex_attention
+
+
+def _flex(query, key, value, block_mask, dropout: float, scaling):
+    """One FlexAttention call over the whole pack (q [1, heads, S, d], k/v [1, kv_heads, S, d],
+    grouped-query heads as they are); returns [1, S, heads, d]."""
+    if dropout:
+        raise ValueError(f"attention='flex' has no attention dropout; got dropout={dropout} (use attention='sdpa')")
+    if not query.is_cuda and torch.is_grad_enabled() and query.requires_grad:
+        raise ValueError(
+            "attention='flex' trains on CUDA only (FlexAttention has no CPU backward); use attention='sdpa'"
+        )
+    flex = _flex_attention(query.is_cuda)
+    out = flex(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2)
+
+
 class _AttendPackedInBackward(torch.autograd.Function):
     """The identity on a packed forward's output. Its backward, the first of the pass to run,
     switches the model to :func:`packed_sdpa` until the backward ends: gradient checkpointing
@@ -182,9 +230,11 @@ def _held_through_backward(model, output: torch.Tensor) -> torch.Tensor:
     return _AttendPackedInBackward.apply(model.config, output)
 
 
-def _packed_inputs(packed: Packed) -> dict:
+def _packed_inputs(model, packed: Packed) -> dict:
     cu, longest = packed.cu_seqlens, packed.max_length
     shared = {} if packed.prefix is None else {"shared_prefix": packed.prefix}
+    if packed.attention == "flex" and not (model.config._attn_implementation or "").startswith("flash_attention"):
+        shared["flex_block_mask"] = flex_block_mask(packed)
     return dict(
         input_ids=packed.input_ids,
         position_ids=packed.position_ids,
@@ -200,12 +250,12 @@ def _packed_inputs(packed: Packed) -> dict:
 def packed_logits(model, packed: Packed) -> torch.Tensor:
     """The logits that predict the completion tokens: [1, Nc, V] (the LM head runs there only)."""
     with packed_attention(model):
-        logits = model(**_packed_inputs(packed), logits_to_keep=packed.logit_index).logits
+        logits = model(**_packed_inputs(model, packed), logits_to_keep=packed.logit_index).logits
     return _held_through_backward(model, logits)
 
 
 def packed_hidden(model, packed: Packed) -> torch.Tensor:
     """The last hidden states (after the final norm) that predict the completion tokens: [Nc, H]."""
     with packed_attention(model):
-        hidden = model.get_decoder()(**_packed_inputs(packed)).last_hidden_state
+        hidden = model.get_decoder()(**_packed_inputs(model, packed)).last_hidden_state
     return _held_through_backward(model, hidden[0, packed.logit_index])

@@ -36,6 +36,10 @@ from typing import NamedTuple
 
 import torch
 
+# The kernels a pack is attended with: SDPA on gathered grids (exact on every device), or
+# FlexAttention with a block mask (compiled on CUDA; on CPU it runs unfused, for tests).
+ATTENTIONS = ("sdpa", "flex")
+
 
 class Packed(NamedTuple):
     """Rows ``rows`` of a padded rollout, packed (see the module docstring).
@@ -43,7 +47,8 @@ class Packed(NamedTuple):
     targets [1, Nc] the completion tokens; logit_index [Nc] the packed positions whose
     logits predict them; completion_cu_seqlens [n + 1] the rows' boundaries among them;
     grid ``(row [Nc], col [Nc])`` their places in the rows' [n, C] completion grid, whose
-    shape is ``grid_shape``.
+    shape is ``grid_shape``; ``attention`` the kernel of :data:`ATTENTIONS` that attends it
+    (flash-attention models run their own).
     """
 
     rows: slice
@@ -57,6 +62,7 @@ class Packed(NamedTuple):
     grid: tuple
     grid_shape: tuple
     prefix: "SharedPrefix | None" = None
+    attention: str = "sdpa"
 
 
 class SharedPrefix(NamedTuple):
@@ -104,6 +110,7 @@ def pack(
     lengths: list | None = None,
     groups: list | None = None,
     padded_positions: bool = False,
+    attention: str = "sdpa",
 ) -> Packed:
     """Packs rows ``rows`` of a padded rollout: input_ids and attention_mask [N, P + C], the
     last C = ``num_completion_tokens`` columns the completions. A row's real tokens are
@@ -115,10 +122,12 @@ def pack(
     ``[prompt | completion_1 | ... | completion_g]`` (see :class:`SharedPrefix`). None packs
     every row whole. ``padded_positions``: a token's position is its padded column (what a
     padded forward without ``position_ids`` uses, as TRL's does) instead of its index among
-    the row's real tokens."""
+    the row's real tokens. ``attention``: the kernel that attends it, one of :data:`ATTENTIONS`."""
     ids, real = input_ids[rows], attention_mask[rows].bool()
     n, L = ids.shape
     C = num_completion_tokens
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
     if groups is not None and len(groups) != n:
         raise ValueError(f"groups must hold one key per row of the slice ({n}), got {len(groups)}")
     if lengths is None:
@@ -165,6 +174,7 @@ def pack(
         grid=(row_of[completion], columns[completion] - (L - C)),
         grid_shape=(n, C),
         prefix=prefix,
+        attention=attention,
     )
 
 
@@ -283,6 +293,7 @@ def pack_micro_batches(
     max_tokens,
     max_rows,
     group_size: int | None = None,
+    attention: str = "sdpa",
 ) -> list:
     """A padded rollout's rows (input_ids and attention_mask [N, P + C]) packed into the
     :func:`micro_batches` of at most ``max_tokens`` tokens and ``max_rows`` rows, one read of
@@ -290,7 +301,7 @@ def pack_micro_batches(
     ``G * k + G - 1`` are a GRPO group, whose prompt is packed once per micro-batch (see
     :func:`pack`). A function of the tokens and the limits alone, so that a rollout worker
     packs a batch as the trainer will. The micro-batches are the same rows either way (the
-    budget counts every row's prompt)."""
+    budget counts every row's prompt). ``attention``: :func:`pack`'s."""
     lengths = row_lengths(attention_mask, num_completion_tokens, input_ids if group_size else None, group_size)
     groups = None
     if group_size is not None:
@@ -304,7 +315,16 @@ def pack_micro_batches(
         groups = [row // group_size for row in range(len(lengths))]
     slices = micro_batches([total for total, _ in lengths], max_tokens, max_rows)
     return [
-        pack(input_ids, attention_mask, num_completion_tokens, rows, lengths[rows], groups and groups[rows])
+        pack(
+            input_ids,
+            attention_mask,
+            num_completion_tokens,
+            rows,
+            lengths[rows],
+            groups and groups[rows],
+            False,
+            attention,
+        )
         for rows in slices
     ]
 

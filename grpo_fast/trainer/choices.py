@@ -17,6 +17,8 @@ ENGINES = {
 }
 TURN_ENGINES = ("sampler", "hf", "vllm")  # the engines that run multi-turn rollouts (tools)
 PRECISIONS = ("auto", "bf16", "fp32")
+# the kernels that attend a packed forward (grpo_fast.packing.ATTENTIONS: the same names)
+ATTENTION_KERNELS = ("sdpa", "flex")
 PARALLEL = ("ddp", "fsdp")  # under torchrun: each rank a replica, or a shard (FSDP2)
 LR_SCHEDULES = ("cosine", "linear", "constant")
 # tracker name -> the library it needs installed (the pip extra of the tracker's name installs it)

@@ -14,6 +14,7 @@ from grpo_fast.tasks import TASK_SETTINGS, TASKS
 from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
 from grpo_fast.tools import TOOLS
 from grpo_fast.trainer.choices import (
+    ATTENTION_KERNELS,
     ENGINES,
     LR_SCHEDULES,
     PARALLEL,
@@ -203,6 +204,7 @@ class GRPOConfig(LossConfig):
     )
     micro_batch_size: int | None = option(None, "at most this many sequences per forward/backward", topic=OPTIM)
     shared_prefix: bool = option(False, "each group's prompt once per packed forward (not flash-attn)", topic=SPEED)
+    attention_kernel: str = option("sdpa", "packed attention: sdpa, or flex (FlexAttention; CUDA)", topic=SPEED)
     precision: str = option("auto", "auto = bf16 autocast on CUDA, fp32 on CPU; or bf16, fp32", topic=SPEED)
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory", topic=SPEED)
     fused_linear: bool = option(
@@ -395,11 +397,10 @@ class GRPOConfig(LossConfig):
         _require(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints!r}")
         _require(self.lora_r >= 0, f"lora_r must be >= 0, got {self.lora_r!r}")
         _require(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
-        choice("advantage_scale", SCALES)
-        choice("lr_schedule", LR_SCHEDULES)
-        choice("precision", PRECISIONS)
-        choice("generator", ENGINES)
-        choice("parallel", PARALLEL)
+        for name, options in (("advantage_scale", SCALES), ("lr_schedule", LR_SCHEDULES), ("precision", PRECISIONS)):
+            choice(name, options)
+        for name, options in (("attention_kernel", ATTENTION_KERNELS), ("generator", ENGINES), ("parallel", PARALLEL)):
+            choice(name, options)
         if self.reward_weights is not None:
             _require(
                 self.reward_funcs is not None and len(self.reward_weights) == len(self.reward_funcs),

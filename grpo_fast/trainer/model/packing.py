@@ -16,7 +16,8 @@ def shared_group_size(config, model) -> int | None:
 def pack_rollout(input_ids, attention_mask, num_completion_tokens: int, config, model) -> list:
     """A rollout packed as a run packs it for ``model``: :func:`pack_micro_batches` under the
     config's token and row limits, each group's prompt once where :func:`shared_group_size`
-    says so. The trainer and the rollout worker both pack with it, so their packs agree."""
+    says so, attended by the config's ``attention_kernel``. The trainer and the rollout worker
+    both pack with it, so their packs agree."""
     return pack_micro_batches(
         input_ids,
         attention_mask,
@@ -24,4 +25,5 @@ def pack_rollout(input_ids, attention_mask, num_completion_tokens: int, config, 
         config.max_tokens_per_micro_batch,
         config.micro_batch_size,
         shared_group_size(config, model),
+        config.attention_kernel,
     )
