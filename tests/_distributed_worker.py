@@ -13,6 +13,7 @@ import sys
 import time
 
 import torch
+from _float64 import patch_llama_norms
 
 from grpo_fast.tasks.arithmetic import arithmetic_reward, build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
@@ -136,6 +137,7 @@ def lora_run(parallel: str, output_dir: str) -> list:
 
 
 def main(job_path: str, out_path: str) -> None:
+    patch_llama_norms()  # as the parent's one-process numbers: float64 to 1e-10 (tests/_float64.py)
     job = torch.load(job_path, weights_only=False)
     results = dict(cases=[], rank_errors=None)
     scratch = os.path.dirname(out_path)

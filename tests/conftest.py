@@ -24,6 +24,14 @@ from grpo_fast.bench.measure import rel_err  # noqa: E402, F401  (the tests' who
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture
+def float64_norms(monkeypatch):
+    """Llama's RMSNorm in the input's dtype for this test (tests/_float64.py says why)."""
+    from _float64 import patch_llama_norms
+
+    patch_llama_norms(monkeypatch)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -72,6 +72,12 @@ def test_a_grpo_fast_round_reads_its_phases_and_layout_from_the_steps_it_runs():
         # the batch's real tokens are the ones its step's log line counted, fewer than padded
         assert layout["real"] == pytest.approx(tokens) and 0 < layout["real"] < layout["padded"]
         assert 0 < layout["prefill_ours"] < layout["prefill_per_sample"]  # one prefill per group
+    # the body ran each group's prompt once; the whole-row engine ran every real token
+    assert all(0 < n < tokens for n, tokens in zip(out["forward_tokens"], out["tokens"]))
+    assert all(saved > 0.2 for saved in out["prefix_saved"])
+    whole = run_grpo_fast(work, dict(steps=2, seed=0, device="cpu"), generator="sampler", shared_prefix=False)
+    assert whole["prefix_saved"] == [0.0, 0.0]
+    assert [round(n) for n in whole["forward_tokens"]] == [round(n) for n in whole["tokens"]]
 
 
 @pytest.mark.slow

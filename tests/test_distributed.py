@@ -64,11 +64,11 @@ def gradient_cases() -> list:
         case(importance_sampling="sequence")
         case(advantage_scale="batch")  # the batch std is the global batch's
         case(lora_r=4, gradient_checkpointing=True)
-        case(batch="float32", shared_prefix=True)  # float32: Llama's norm rounds the shared prompt's sum once
+        case(shared_prefix=False)  # every row whole (the cases above share each group's prompt)
     return cases
 
 
-def test_world_size_2_gives_the_gradients_of_world_size_1(tmp_path):
+def test_world_size_2_gives_the_gradients_of_world_size_1(tmp_path, float64_norms):
     """Rank r takes rows [sum(split[:r]), ...) of one fixed batch; the gathered gradient of a
     pass with old log-probs (the proximal policy's, off the current one so that ratios clip)
     equals the one-process gradient of the whole batch (float64 to 1e-10, float32 to 1e-5), and

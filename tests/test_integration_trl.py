@@ -292,17 +292,6 @@ def trained(cls, setup, **options):
     return trainer
 
 
-@pytest.fixture
-def float64_norms(monkeypatch):
-    """Llama's RMSNorm in float64 (it computes in float32 whatever the input)."""
-    from transformers.models.llama import modeling_llama
-
-    def float64_norm(self, hidden):
-        return self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", float64_norm)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("shared", [False, True], ids=["whole-rows", "shared-prompts"])
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ The truth is the padded computation the trainer used before packing: the model o
 left-padded [N, P + C] batch with its attention mask, logits at the completion positions,
 ``grpo_loss`` on the [N, C] grid. In float64, for every loss type, with a frozen reference
 copy and with a LoRA policy (reference = adapters off), the packed step's loss, metrics and
-gradients equal it to rounding.
+gradients equal it to rounding: each group's prompt once (the default), and every row whole.
 """
 
 import pytest
@@ -20,6 +20,7 @@ from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer.model.build import reference_context
 from grpo_fast.trainer.runtime import Runtime
 
+pytestmark = pytest.mark.usefixtures("float64_norms")  # Llama's norm in float64 (tests/_float64.py)
 CASES = [dict(loss_type=name) for name in LOSS_TYPES] + [dict(loss_type="grpo", importance_sampling="sequence")]
 
 
@@ -127,7 +128,7 @@ def test_packed_step_equals_padded_step_with_lora(tmp_path, case):
 
 
 def test_fused_linear_packed_equals_padded(tmp_path):
-    trainer = float64_trainer(tmp_path, fused_linear=True)
+    trainer = float64_trainer(tmp_path, fused_linear=True, shared_prefix=False)
     assert_packed_equals_padded(trainer)
     metrics, batch = trainer.run_step()  # every row whole: the body runs every real token
     assert metrics["forward_tokens"] == batch.samples.attention_mask.sum().item() and metrics["prefix_saved"] == 0

@@ -27,6 +27,7 @@ from grpo_fast.trainer.choices import ATTENTION_KERNELS
 from grpo_fast.trainer.model.packing import shared_group_size
 
 C = 5  # the completions' columns
+pytestmark = pytest.mark.usefixtures("float64_norms")  # Llama's norm in float64 (tests/_float64.py)
 
 
 def rollout(group_size: int, prompt_lengths: list, seed: int = 0):
@@ -49,23 +50,6 @@ def rollout(group_size: int, prompt_lengths: list, seed: int = 0):
             rows.append(ids)
             masks.append(mask)
     return torch.stack(rows), torch.stack(masks)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def float64_norms():
-    """Llama's RMSNorm kept in float64 here: it computes in float32 whatever the input, and a
-    prompt's norm backward then rounds once for the sum of its G completions' gradients where
-    the unshared pack rounds G times; both are right to float32, and these tests are of the
-    layout, to float64."""
-    from transformers.models.llama import modeling_llama
-
-    def float64_norm(self, hidden):
-        return self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(modeling_llama.LlamaRMSNorm, "forward", float64_norm)
-    yield
-    patch.undo()
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +163,9 @@ def test_a_shared_prefix_step_equals_the_padded_step(tmp_path, overrides):
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3), dtype=p.dtype))
     batch = trainer.prepare(trainer.source.next(trainer.data_position, trainer.version))
     G = trainer.config.group_size
-    assert all(p.prefix is not None for p in batch.micro_batches)
+    # a micro-batch whose rows are each alone of their group's (a token budget's cut) packs them whole
+    units = [(p.prefix is not None, p.cu_seqlens.numel() - 1 < p.rows.stop - p.rows.start) for p in batch.micro_batches]
+    assert all(shared == fewer for shared, fewer in units) and any(shared for shared, _ in units), units
     assert any(p.rows.start % G for p in batch.micro_batches)  # a group split across micro-batches
     out = assert_packed_equals_padded(trainer)
     assert out.kl > 0 or "lora_r" in overrides
@@ -246,5 +232,9 @@ def test_models_that_cannot_take_the_layout_pack_every_row_whole(caplog):
     ids = torch.tensor([[1, 2, 3], [1, 4, 3]])
     with pytest.raises(ValueError, match="group_size must be a positive int or None, got 0"):
         pack_micro_batches(ids, torch.ones_like(ids), 1, None, None, group_size=0)
-    with pytest.raises(ValueError, match=r"rows \[1\] have another prompt than their group's first row"):
-        pack_micro_batches(ids, torch.ones_like(ids), 1, None, None, group_size=2)
+    # a group whose rows have other prompts (a custom rollout source's) packs runs of equal prompts
+    ids = torch.tensor([[1, 2, 3], [1, 4, 3], [1, 4, 5], [7, 2, 3]])
+    (packed,) = pack_micro_batches(ids, torch.ones_like(ids), 1, None, None, group_size=4)
+    assert packed.cu_seqlens.tolist() == [0, 3, 7, 10] and packed.input_ids.tolist() == [[1, 2, 3, 1, 4, 3, 5, 7, 2, 3]]
+    (whole,) = pack_micro_batches(ids[[0, 2]], torch.ones_like(ids[[0, 2]]), 1, None, None, group_size=2)
+    assert whole.prefix is None  # no prompt shared: every row whole

@@ -145,6 +145,7 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("float64_norms")  # Llama's norm in float64 (tests/_float64.py)
 @pytest.mark.parametrize("case", CASES, ids=lambda case: "-".join(str(v) for v in case.values()))
 def test_loss_and_gradients_equal_the_float64_reference(tmp_path, case):
     """Both passes of a step on a batch with tool tokens equal the reference with the same

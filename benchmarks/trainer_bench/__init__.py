@@ -14,9 +14,10 @@ What the modules share is here: the engines, the packages each needs, the phases
 rest, a vLLM engine's settings.
 """
 
-ENGINES = ("sampler", "hf", "vllm", "trl", "trl_vllm")
+ENGINES = ("sampler", "hf", "vllm", "sampler_whole", "hf_whole", "vllm_whole", "trl", "trl_vllm")
 TRL_ENGINES = ("trl", "trl_vllm")
 REQUIRES = {"sampler": (), "hf": (), "vllm": ("vllm",), "trl": ("trl",), "trl_vllm": ("trl", "vllm")}
+REQUIRES.update({f"{engine}_whole": REQUIRES[engine] for engine in ("sampler", "hf", "vllm")})
 PHASES = ("sampling", "weight_sync", "reference", "old_logprobs", "training", "rest")
 
 

@@ -31,9 +31,12 @@ ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 RUNNERS = {
-    "sampler": functools.partial(run_grpo_fast, generator="sampler"),
-    "hf": functools.partial(run_grpo_fast, generator="hf"),
-    "vllm": functools.partial(run_grpo_fast, generator="vllm"),
+    **{engine: functools.partial(run_grpo_fast, generator=engine) for engine in ("sampler", "hf", "vllm")},
+    # every row whole in the training, reference and old-log-prob passes (--no-shared-prefix)
+    **{
+        f"{engine}_whole": functools.partial(run_grpo_fast, generator=engine, shared_prefix=False)
+        for engine in ("sampler", "hf", "vllm")
+    },
     "trl": functools.partial(run_trl, use_vllm=False),
     "trl_vllm": functools.partial(run_trl, use_vllm=True),
 }
@@ -101,6 +104,10 @@ def summarize(runs: list, warmup: int) -> dict:
     steps = [phase for run in runs for phase in run["phases"][warmup:]]
     stats["phases_median_s"] = {name: statistics.median(step[name] for step in steps) for name in PHASES}
     stats["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
+    forward = [n for run in runs for n in run.get("forward_tokens", [])[warmup:]]
+    if forward:  # grpo_fast's: what the model's body ran per step in its training pass
+        stats["forward_tokens_per_step"] = statistics.median(forward)
+        stats["prefix_saved"] = statistics.median(x for run in runs for x in run["prefix_saved"][warmup:])
     layouts = [layout for run in runs for layout in run.get("layouts", [])[warmup:]]
     if layouts:
         total = {key: sum(layout[key] for layout in layouts) for key in layouts[0]}

@@ -51,12 +51,20 @@ def batch_layout(samples, group_size: int, one_prefill_per_group: bool) -> dict:
     return layout
 
 
-def run_grpo_fast(work: Workload, options: dict, generator: str) -> dict:
+def run_grpo_fast(work: Workload, options: dict, generator: str, shared_prefix: bool = True) -> dict:
     """Per-step seconds (between the ends of consecutive steps), CPU seconds, phases, tokens,
-    completion lengths and batch layout of one fresh grpo_fast run."""
+    completion lengths, batch layout and the body's tokens per pass (``forward_tokens``,
+    ``prefix_saved``) of one fresh grpo_fast run; ``shared_prefix`` False packs every row whole."""
     steps, device = options["steps"], options["device"]
-    trainer = work.trainer(steps=steps, loss_type="grpo", generator=generator, seed=options["seed"], device=device)
-    out = dict(times=[], cpu_times=[], tokens=[], lengths=[], phases=[], layouts=[])
+    trainer = work.trainer(
+        steps=steps,
+        loss_type="grpo",
+        generator=generator,
+        seed=options["seed"],
+        device=device,
+        shared_prefix=shared_prefix,
+    )
+    out = dict(times=[], cpu_times=[], tokens=[], lengths=[], phases=[], layouts=[], forward_tokens=[], prefix_saved=[])
     last, last_cpu = time.perf_counter(), time.process_time()
     try:
         for _ in range(steps):
@@ -68,6 +76,8 @@ def run_grpo_fast(work: Workload, options: dict, generator: str) -> dict:
             out["phases"].append(step_phases(metrics, out["times"][-1]))
             out["tokens"].append(metrics["tokens_per_s"] * metrics["step_time_s"])
             out["lengths"].append(metrics["completion_len_mean"])
+            out["forward_tokens"].append(metrics["forward_tokens"])
+            out["prefix_saved"].append(metrics["prefix_saved"])
             out["layouts"].append(batch_layout(batch.samples, work.group_size, generator == "sampler"))
         if generator == "vllm":
             out["vllm"] = vllm_settings(trainer.source.engine.llm)

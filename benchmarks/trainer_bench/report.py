@@ -13,22 +13,23 @@ def print_results(results: dict) -> None:
     measured = [engine for engine, r in results.items() if "median_s" in r]
     bases = [engine for engine in TRL_ENGINES if engine in measured]
     columns = [("steps/s", 8), ("tokens/s", 9), ("median s", 9), ("p20-p80 s", 13), ("cpu s", 7), ("len", 6)]
-    columns += [("peak MiB", 9)] + [(f"vs {base}", 12) for base in bases]
-    print(f"{'engine':<10} " + " ".join(f"{name:>{width}}" for name, width in columns))
+    columns += [("peak MiB", 9), ("body tok", 9)] + [(f"vs {base}", 12) for base in bases]
+    print(f"{'engine':<14} " + " ".join(f"{name:>{width}}" for name, width in columns))
     for engine in measured:
         r = results[engine]
         length = "-" if r["completion_len_mean"] is None else f"{r['completion_len_mean']:.1f}"
+        body = f"{r['forward_tokens_per_step']:.0f}" if "forward_tokens_per_step" in r else "-"
         ratios = [r.get(f"steps_per_s_vs_{base}") for base in bases]
         spread = f"{r['p20_s']:.3g}-{r['p80_s']:.3g}"
         print(
-            f"{engine:<10} {r['steps_per_s']:8.3f} {r['tokens_per_s']:9.0f} {r['median_s']:9.3g} "
+            f"{engine:<14} {r['steps_per_s']:8.3f} {r['tokens_per_s']:9.0f} {r['median_s']:9.3g} "
             f"{spread:>13} {r['median_cpu_s']:7.3g} {length:>6} "
-            f"{r['peak_rss_bytes'] / 2**20:9.0f} "
+            f"{r['peak_rss_bytes'] / 2**20:9.0f} {body:>9} "
             + " ".join("-".rjust(12) if x is None else f"{x:11.2f}x" for x in ratios)
         )
-    print(f"\nmedian seconds per step by phase\n{'engine':<10} " + " ".join(f"{p:>12}" for p in PHASES))
+    print(f"\nmedian seconds per step by phase\n{'engine':<14} " + " ".join(f"{p:>12}" for p in PHASES))
     for engine in measured:
-        print(f"{engine:<10} " + " ".join(f"{results[engine]['phases_median_s'][p]:12.3f}" for p in PHASES))
+        print(f"{engine:<14} " + " ".join(f"{results[engine]['phases_median_s'][p]:12.3f}" for p in PHASES))
     for engine, r in results.items():
         for error in r.get("errors", []):
             print(f"{engine}: error: {error}")

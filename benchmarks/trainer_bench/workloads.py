@@ -11,6 +11,8 @@ with the same tokenizer, prompts, reward, G, batch, completion limit, sampling (
                 trained here on generated text), prompts of 20-200 tokens, G = 8, 32
                 completions of up to 128 new tokens; the model says EOS right after one of
                 V / 48 "stop" tokens: completion lengths spread geometrically up to the limit
+    long_prompt the realistic model on prompts of 900-1100 tokens, G = 16, 32 completions of
+                up to 128 new tokens: where each group's prompt once (shared prefix) pays most
 
 A workload is built once in the parent process and saved beside its model
 (:meth:`Workload.save`); each worker process loads it back (:meth:`Workload.load`).
@@ -228,7 +230,7 @@ def babble_prompts(babble: Babble, tokenizer, count: int, low: int = 20, high: i
     return rows
 
 
-def llama_with_spread_eos(tokenizer, seed: int, eos_rate: float = 1 / 48):
+def llama_with_spread_eos(tokenizer, seed: int, eos_rate: float = 1 / 48, max_positions: int = 512):
     """The tiny Llama (hidden 256, 4 layers, 4 heads, untied head) that ends a completion
     right after it samples one of ``eos_rate * V`` "stop" tokens, so that completion lengths
     spread geometrically up to the limit (its next-token distribution is otherwise nearly
@@ -244,7 +246,7 @@ def llama_with_spread_eos(tokenizer, seed: int, eos_rate: float = 1 / 48):
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -265,30 +267,40 @@ def llama_with_spread_eos(tokenizer, seed: int, eos_rate: float = 1 / 48):
     return model
 
 
-def realistic_workload(args) -> Workload:
+def babble_workload(args, name: str, prompt_tokens: tuple, group_size: int, **shape) -> Workload:
+    """The tiny Llama with spread EOS on babble prompts of ``prompt_tokens`` (low, high) tokens."""
     babble = Babble(args.seed)
     tokenizer = bpe_tokenizer(babble)
     model_dir = tempfile.mkdtemp(prefix="bench-model-")
-    llama_with_spread_eos(tokenizer, args.seed).save_pretrained(model_dir)
+    low, high = prompt_tokens
+    llama_with_spread_eos(tokenizer, args.seed, max_positions=max(512, 2 * high)).save_pretrained(model_dir)
     description = (
         "Llama hidden 256, 4 layers, 4 heads, vocab 32000 (byte-level BPE trained on generated text), "
-        "untied head, EOS after 1 in 48 tokens; prompts 20-200 tokens"
+        f"untied head, EOS after 1 in 48 tokens; prompts {low}-{high} tokens, G = {group_size}"
     )
+    rows = babble_prompts(babble, tokenizer, shape.pop("prompts"), low, high)
     return Workload(
-        "realistic",
+        name,
         description,
         tokenizer,
         model_dir,
-        babble_prompts(babble, tokenizer, 256),
+        rows,
         babble_reward,
-        batch_size=32,
-        group_size=8,
+        group_size=group_size,
         max_new_tokens=128,
         beta=0.04,
         learning_rate=1e-6,
-        steps=6,
-        warmup=1,
+        **shape,
     )
+
+
+def realistic_workload(args) -> Workload:
+    return babble_workload(args, "realistic", (20, 200), 8, prompts=256, batch_size=32, steps=6, warmup=1)
+
+
+def long_prompt_workload(args) -> Workload:
+    """Prompts of about 1,000 tokens, G = 16: where each group's prompt once pays most."""
+    return babble_workload(args, "long_prompt", (900, 1100), 16, prompts=32, batch_size=32, steps=4, warmup=1)
 
 
 def babble_reward(prompts, completions, **columns):
@@ -296,6 +308,11 @@ def babble_reward(prompts, completions, **columns):
     return [len(set(c.split())) / (1 + len(c.split())) for c in completions]
 
 
-WORKLOADS = {"demo": demo_workload, "realistic": realistic_workload, "tiny": tiny_workload}
-MEASURED = ("demo", "realistic")  # --workload all
+WORKLOADS = {
+    "demo": demo_workload,
+    "realistic": realistic_workload,
+    "long_prompt": long_prompt_workload,
+    "tiny": tiny_workload,
+}
+MEASURED = ("demo", "realistic", "long_prompt")  # --workload all
 REWARDS = {reward.__name__: reward for reward in (arithmetic_reward, babble_reward)}

@@ -32,6 +32,7 @@ log-probs computed); the loss, its token counts and the sampling correction read
 completion mask, which gives them weight 0 (``step.loss_inputs``; tests/test_tool_mask.py).
 """
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -90,16 +91,26 @@ def row_lengths(
 ) -> list:
     """``[(real tokens, prompt tokens)]`` of each row of a padded rollout, read to the host once:
     what :func:`pack` and the micro-batch split need to know on the host. With ``input_ids``
-    and ``group_size`` G, ``[(real, prompt, same)]``: ``same`` whether the row's prompt is its
-    group's first row's (rows ``G * k`` on), in the same read."""
+    and ``group_size`` G, ``[(real, prompt, same)]``: ``same`` whether the row's prompt is the
+    previous row's of its group (never for a group's first row, ``G * k``), in the same read."""
     P = attention_mask.shape[1] - num_completion_tokens
     columns = [attention_mask.sum(1), attention_mask[:, :P].sum(1)]
     if _checked(group_size) is not None:
         if attention_mask.shape[0] % group_size:
             raise ValueError(f"group_size={group_size} must divide the rollout's {attention_mask.shape[0]} rows")
-        prompts = (input_ids[:, :P] * attention_mask[:, :P]).view(-1, group_size, P)
-        columns.append((prompts == prompts[:, :1]).all(2).view(-1))
+        prompts = _prompt_keys(input_ids, attention_mask, P)
+        same = torch.zeros_like(columns[0], dtype=torch.bool)
+        same[1:] = (prompts[1:] == prompts[:-1]).all(1)
+        same[::group_size] = False
+        columns.append(same)
     return torch.stack(columns, 1).long().tolist()
+
+
+def _prompt_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int) -> torch.Tensor:
+    """[N, 2P]: rows with equal prompts have equal keys (the tokens and the mask: a real token 0
+    is not padding)."""
+    mask = attention_mask[:, :P]
+    return torch.cat([input_ids[:, :P] * mask, mask], 1)
 
 
 def pack(
@@ -134,8 +145,8 @@ def pack(
         lengths = row_lengths(attention_mask[rows], C)
     if any(prompt == 0 and total > 0 for total, prompt in lengths):
         raise ValueError("every row needs at least one prompt token: the first completion token is predicted from it")
-    if not any(total > prompt for total, prompt in lengths):
-        groups = None  # no completion token to share a prompt for
+    if not any(total > prompt for total, prompt in lengths) or (groups is not None and len(set(groups)) == n):
+        groups = None  # no completion token to share a prompt for, or no prompt shared
     units = _units(rows, lengths, groups)  # [(first row, rows)] in this micro-batch
     prompts = [lengths[first][1] for first, _ in units]
     completion_lengths = [total - prompt for total, prompt in lengths]
@@ -260,13 +271,10 @@ def pack_by_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, num_co
     :func:`to_grid` writes [N, C] in the caller's order. Whole rows when no prompt repeats.
     ``options``: :func:`pack`'s ``padded_positions``."""
     N, P = input_ids.shape[0], input_ids.shape[1] - num_completion_tokens
-    mask = attention_mask[:, :P]
-    _, key = torch.unique(torch.cat([input_ids[:, :P] * mask, mask], 1), dim=0, return_inverse=True)
+    _, key = torch.unique(_prompt_keys(input_ids, attention_mask, P), dim=0, return_inverse=True)
     order = torch.argsort(key, stable=True)
-    keys = key[order].tolist()
-    groups = keys if len(set(keys)) < N else None
-    rows = slice(0, N)
-    packed = pack(input_ids[order], attention_mask[order], num_completion_tokens, rows, groups=groups, **options)
+    groups = key[order].tolist()
+    packed = pack(input_ids[order], attention_mask[order], num_completion_tokens, slice(0, N), groups=groups, **options)
     row, column = packed.grid
     return packed._replace(grid=(order.to(row.device)[row], column))
 
@@ -299,20 +307,15 @@ def pack_micro_batches(
     :func:`micro_batches` of at most ``max_tokens`` tokens and ``max_rows`` rows, one read of
     the rows' lengths to the host: a :class:`Packed` each. ``group_size`` G: rows ``G * k`` to
     ``G * k + G - 1`` are a GRPO group, whose prompt is packed once per micro-batch (see
-    :func:`pack`). A function of the tokens and the limits alone, so that a rollout worker
+    :func:`pack`; rows of a group whose prompts differ, which a custom rollout source may
+    give, pack as runs of equal prompts). A function of the tokens and the limits alone, so that a rollout worker
     packs a batch as the trainer will. The micro-batches are the same rows either way (the
     budget counts every row's prompt). ``attention``: :func:`pack`'s."""
     lengths = row_lengths(attention_mask, num_completion_tokens, input_ids if group_size else None, group_size)
     groups = None
-    if group_size is not None:
-        different = [i for i, (_, _, same) in enumerate(lengths) if not same]
-        if different:
-            raise ValueError(
-                f"group_size={group_size}: rows {different[:8]} have another prompt than their group's first row; "
-                "shared-prefix packing needs each group's G rows consecutive"
-            )
+    if group_size is not None:  # a unit: a run of a group's rows with one prompt (a GRPO group has one)
+        groups = list(itertools.accumulate(not same for _, _, same in lengths))
         lengths = [(total, prompt) for total, prompt, _ in lengths]
-        groups = [row // group_size for row in range(len(lengths))]
     slices = micro_batches([total for total, _ in lengths], max_tokens, max_rows)
     return [
         pack(
