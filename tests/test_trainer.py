@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -83,6 +84,13 @@ def test_reward_error_names_function_and_sample():
         score([picky_reward], ["a", "b", "c"], ["x", "yy", ""], {})
     with pytest.raises(RewardError, match="returned 1 scores for 2 completions"):
         score([lambda p, c, **k: [0.0]], ["a", "b"], ["x", "y"], {})
+    for bad in (math.nan, math.inf, -math.inf, "1.0"):  # None stays "unscored"
+
+        def odd_reward(prompts, completions, **columns):
+            return [None, bad]
+
+        with pytest.raises(RewardError, match=rf"'odd_reward' returned {re.escape(repr(bad))} .*finite.* sample 1 "):
+            score([odd_reward], ["a", "b"], ["x", "y"], {})
 
 
 def test_score_none_is_nan_and_extra_columns_reach_the_function():

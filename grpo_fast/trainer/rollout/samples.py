@@ -64,8 +64,9 @@ class Samples:
 def score(reward_funcs: list, prompts: list, completions: list, columns: dict) -> torch.Tensor:
     """Calls each ``f(prompts, completions, **columns) -> list[float | None]``; returns [N, K] float32.
 
-    None becomes NaN ("not scored", left out of the weighted sum). A function that raises or
-    returns the wrong number of scores is a :class:`RewardError` naming it and the sample.
+    None becomes NaN ("not scored", left out of the weighted sum). A function that raises,
+    returns the wrong number of scores, or a score that is not a finite number (NaN, an
+    infinity, a string) is a :class:`RewardError` naming it, the sample and the value.
     """
     N = len(prompts)
     scores = torch.empty(N, len(reward_funcs), dtype=torch.float32)
@@ -80,10 +81,11 @@ def score(reward_funcs: list, prompts: list, completions: list, columns: dict) -
         if len(values) != N:
             raise RewardError(f"reward function {name!r} returned {len(values)} scores for {N} completions")
         for i, value in enumerate(values):
-            if value is not None and not isinstance(value, (int, float)):
+            # NaN or an infinity would reach every advantage of its group, and the weights
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise RewardError(
-                    f"reward function {name!r} returned {value!r} (need float or None) on sample {i} "
-                    f"(prompt={prompts[i]!r}, completion={completions[i]!r})"
+                    f"reward function {name!r} returned {value!r} (need a finite float, or None for unscored) on "
+                    f"sample {i} (prompt={prompts[i]!r}, completion={completions[i]!r})"
                 )
             scores[i, k] = math.nan if value is None else float(value)
     return scores
