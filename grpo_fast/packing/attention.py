@@ -28,14 +28,21 @@ logger = logging.getLogger("grpo_fast")
 PACKED_ATTENTION = "grpo_fast_packed_sdpa"
 
 
+def _on_flash(model) -> bool:
+    """Whether ``model`` attends with flash-attention, whose varlen kernel reads the pack's
+    ``cu_seq_lens_*`` itself (no :func:`packed_sdpa`, no block mask)."""
+    return (model.config._attn_implementation or "").startswith("flash_attention")
+
+
 def shared_layout_blocker(model) -> str | None:
     """Why ``model``'s attention cannot run the shared layout (a phrase, logged once per
     process), or None: flash-attention's varlen kernel would let a completion see its group's
     other completions, and :func:`packed_sdpa` has no sliding window or logit softcapping."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    implementation = model.config._attn_implementation or ""
-    if implementation.startswith("flash_attention"):
-        reason = f"{implementation} (its varlen kernel would let a group's completions see each other)"
+    if _on_flash(model):
+        reason = (
+            f"{model.config._attn_implementation} (its varlen kernel would let a group's completions see each other)"
+        )
     elif "sliding_attention" in (getattr(text, "layer_types", None) or ()) or (
         getattr(text, "layer_types", None) is None
         and getattr(text, "sliding_window", None) is not None
@@ -134,11 +141,11 @@ def _shared_prefix_sdpa(query, key, value, prefix: SharedPrefix, dropout: float,
 def packed_attention(model):
     """Inside the block ``model`` attends within packed sequences: flash-attention models as
     they are (they read ``cu_seq_lens_*``), any other through :func:`packed_sdpa`."""
-    config = model.config
-    saved = config._attn_implementation
-    if saved is not None and saved.startswith("flash_attention"):
+    if _on_flash(model):
         yield model
         return
+    config = model.config
+    saved = config._attn_implementation
     from transformers import AttentionInterface
 
     if PACKED_ATTENTION not in AttentionInterface._global_mapping:
@@ -224,8 +231,7 @@ class _AttendPackedInBackward(torch.autograd.Function):
 def _held_through_backward(model, output: torch.Tensor) -> torch.Tensor:
     """``output`` of a packed forward of ``model``, its backward attending packed (see
     :class:`_AttendPackedInBackward`); flash-attention models need nothing."""
-    implementation = model.config._attn_implementation or ""
-    if not output.requires_grad or implementation.startswith("flash_attention"):
+    if not output.requires_grad or _on_flash(model):
         return output
     return _AttendPackedInBackward.apply(model.config, output)
 
@@ -233,7 +239,7 @@ def _held_through_backward(model, output: torch.Tensor) -> torch.Tensor:
 def _packed_inputs(model, packed: Packed) -> dict:
     cu, longest = packed.cu_seqlens, packed.max_length
     shared = {} if packed.prefix is None else {"shared_prefix": packed.prefix}
-    if packed.attention == "flex" and not (model.config._attn_implementation or "").startswith("flash_attention"):
+    if packed.attention == "flex" and not _on_flash(model):
         shared["flex_block_mask"] = flex_block_mask(packed)
     return dict(
         input_ids=packed.input_ids,

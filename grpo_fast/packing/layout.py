@@ -308,9 +308,9 @@ def pack_micro_batches(
     the rows' lengths to the host: a :class:`Packed` each. ``group_size`` G: rows ``G * k`` to
     ``G * k + G - 1`` are a GRPO group, whose prompt is packed once per micro-batch (see
     :func:`pack`; rows of a group whose prompts differ, which a custom rollout source may
-    give, pack as runs of equal prompts). A function of the tokens and the limits alone, so that a rollout worker
-    packs a batch as the trainer will. The micro-batches are the same rows either way (the
-    budget counts every row's prompt). ``attention``: :func:`pack`'s."""
+    give, pack as runs of equal prompts). A function of the tokens and the limits alone, so
+    that a rollout worker packs a batch as the trainer will. The micro-batches are the same
+    rows either way (the budget counts every row's prompt). ``attention``: :func:`pack`'s."""
     lengths = row_lengths(attention_mask, num_completion_tokens, input_ids if group_size else None, group_size)
     groups = None
     if group_size is not None:  # a unit: a run of a group's rows with one prompt (a GRPO group has one)
@@ -325,8 +325,7 @@ def pack_micro_batches(
             rows,
             lengths[rows],
             groups and groups[rows],
-            False,
-            attention,
+            attention=attention,
         )
         for rows in slices
     ]
