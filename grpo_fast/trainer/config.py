@@ -203,9 +203,7 @@ class GRPOConfig(LossConfig):
         topic=OPTIM,
     )
     micro_batch_size: int | None = option(None, "at most this many sequences per forward/backward", topic=OPTIM)
-    shared_prefix: bool = option(
-        True, "each group's prompt once per packed forward (exact; not flash-attn)", topic=SPEED
-    )
+    shared_prefix: bool = option(True, "each group's prompt once per packed forward (not flash-attn)", topic=SPEED)
     attention_kernel: str = option("sdpa", "packed attention: sdpa, or flex (FlexAttention; CUDA)", topic=SPEED)
     precision: str = option("auto", "auto = bf16 autocast on CUDA, fp32 on CPU; or bf16, fp32", topic=SPEED)
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory", topic=SPEED)
