@@ -4,6 +4,7 @@
     grpo-fast train --model PATH --dataset PATH      # a real causal LM on a prompt dataset
     grpo-fast train --config run.yaml --steps 500    # YAML config, flags override it
     grpo-fast train --output runs/x --resume         # continue a run from its last checkpoint
+    grpo-fast train --output runs/x --resume auto    # ... from its last valid one, or from the start
     grpo-fast train --report-to tensorboard --eval-every 50   # trackers; held-out evaluation
     grpo-fast eval --model runs/x/final -n 8         # evaluate a model folder (a run's: its config's settings)
     grpo-fast bench memory --preset 100m             # what PPO's critic costs next to GRPO (memory, time)
@@ -11,7 +12,10 @@
 
 Every field of :class:`GRPOConfig` is also a flag (``--learning-rate``, ``--beta``, ...).
 Under torchrun every rank runs this; rank 0 alone prints the summary, and a rank's error is
-printed with its rank.
+printed with its rank. Exit status: 0 done; 2 an error of the run's input or files, in one line
+(a bad setting, a reward that is not a number, a checkpoint that cannot be read or written, too
+many non-finite steps); 75 preempted (a signal of ``--preemption-signals``), with a checkpoint
+to ``--resume auto`` from.
 """
 
 import argparse
@@ -149,7 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         "addition on the CPU in about 15 seconds (2 cores).",
     )
     train.add_argument("--config", help="YAML file of config keys; flags given here override it")
-    train.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const="last",
+        choices=("last", "auto"),
+        help="continue the run in --output from its last checkpoint; 'auto': from its last valid one, or from the "
+        "start when there is none (one job script, requeued after each preemption)",
+    )
     fields = {field.name: field for field in dataclasses.fields(GRPOConfig)}
     for topic, names in help_topics().items():
         group = train.add_argument_group(topic)
@@ -200,6 +211,8 @@ def make_config(args: argparse.Namespace) -> GRPOConfig:
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig)}
     overrides = {k: None if v == NONE else v for k, v in overrides.items() if v is not None}
     config_file = args.config
+    if args.resume == "auto" and "output_dir" not in overrides:
+        raise ValueError("--resume auto needs --output DIR: a requeued job must find the run it started")
     if args.resume:
         overrides.setdefault("output_dir", _latest_run())
         if overrides["output_dir"] is None:
@@ -217,6 +230,7 @@ def train(args: argparse.Namespace) -> int:
     import torch
 
     from grpo_fast.trainer import GRPOTrainer, distributed
+    from grpo_fast.trainer.run import faults
 
     if config.model is None and not torch.cuda.is_available():
         # The demo's matrices are 64 wide: one thread beats two that synchronise every op.
@@ -224,10 +238,16 @@ def train(args: argparse.Namespace) -> int:
     trainer = GRPOTrainer(config)
     main_rank = trainer.runtime.ranks.is_main
     if args.resume:
-        step = trainer.resume()
+        step = trainer.resume(auto=args.resume == "auto")
         if main_rank:
-            print(f"resumed {trainer.output_dir} at step {step}", file=sys.stderr)
-    trainer.train()
+            print(f"{'resumed' if step else 'started'} {trainer.output_dir} at step {step}", file=sys.stderr)
+    try:
+        trainer.train()
+    except faults.Preempted as stop:
+        if main_rank:
+            print(f"grpo-fast: {stop}", file=sys.stderr)
+        distributed.shutdown()
+        return stop.exit_status
     if main_rank:
         print(trainer.summary)
     distributed.shutdown()
@@ -293,8 +313,10 @@ def _run_errors() -> tuple:
     exit code 2, not a traceback (imported when a run has failed: rollout's module loads torch)."""
     from grpo_fast.trainer.choices import TrackerUnavailable
     from grpo_fast.trainer.rollout.samples import RewardError
+    from grpo_fast.trainer.run.checkpoint import CheckpointSaveError
+    from grpo_fast.trainer.run.faults import NonFiniteSteps
 
-    return RewardError, TrackerUnavailable
+    return RewardError, TrackerUnavailable, CheckpointSaveError, NonFiniteSteps
 
 
 def _log_to_stderr() -> None:

@@ -157,6 +157,16 @@ def small_config(tmp_path, **overrides):
     return GRPOConfig(**{**SMALL, "output_dir": str(tmp_path / "run"), **overrides})
 
 
+def one_thread(run):
+    """``run()`` with one torch thread in this process, as each rank and the CLI's demo run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def without_timings(rows: list) -> list:
     """Metrics rows without the keys that measure time or memory (they differ run to run)."""
     from grpo_fast.trainer.run.run_log import TIMING_KEYS

@@ -114,10 +114,10 @@ def gradient_step(trainer):
     step receives it, the policy it was computed at)] for each of its passes)``."""
     passes, optimizer_step = [], trainer.optimizer_step
 
-    def recorded():
+    def recorded(loss):
         gradient = torch.cat([p.grad.flatten() for p in trainer.policy.parameters()])
         passes.append((gradient, copy.deepcopy(trainer.policy)))
-        return optimizer_step()
+        return optimizer_step(loss)
 
     trainer.optimizer_step = recorded
     try:

@@ -100,7 +100,7 @@ def test_resume_from_a_corrupt_checkpoint_exits_2(tmp_path, capsys):
     with open(os.path.join(path, "__0_0.distcp"), "r+b") as f:  # the weights and optimizer states
         f.truncate(100)
     assert main(["train", "--resume", "--output", out, "--no-progress"]) == 2
-    assert f"checkpoint {path!r} is corrupt or unreadable" in capsys.readouterr().err
+    assert f"checkpoint {path!r} is corrupt or incomplete: __0_0.distcp has 100 bytes" in capsys.readouterr().err
 
 
 def test_console_script_points_at_main():

@@ -25,6 +25,7 @@ import torch
 from conftest import (
     TESTS,
     assert_rows_close,
+    one_thread,
     rel_err,
     run_child,
     start_child,
@@ -163,16 +164,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def one_thread(run):
-    """``run()`` with one torch thread in this process, as each rank and the CLI's demo run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return run()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_torchrun_learns_like_one_process_resumes_after_a_killed_rank_and_evaluates_as_one(tmp_path):

@@ -21,6 +21,10 @@ PRECISIONS = ("auto", "bf16", "fp32")
 ATTENTION_KERNELS = ("sdpa", "flex")
 PARALLEL = ("ddp", "fsdp")  # under torchrun: each rank a replica, or a shard (FSDP2)
 LR_SCHEDULES = ("cosine", "linear", "constant")
+SAVE_FAILURES = ("stop", "continue")  # what a run does when a checkpoint cannot be written
+# the signals a run may take as preemption: the schedulers' (SLURM: SIGTERM, --signal=USR1@90;
+# Kubernetes: SIGTERM; LSF: SIGUSR2, SIGXCPU) and the terminal's; SIGALRM is the grace timer's own
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT", "SIGXCPU", "SIGPWR")
 # tracker name -> the library it needs installed (the pip extra of the tracker's name installs it)
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 
@@ -60,3 +64,9 @@ def check_trackers(names) -> None:
             raise TrackerUnavailable(
                 f'report_to={name!r} needs the {TRACKERS[name]!r} package: pip install "grpo-fast[{name}]"'
             )
+
+
+def check_signals(name: str, value) -> None:
+    """ValueError unless ``value`` is a list of names from :data:`PREEMPTION_SIGNALS`."""
+    if not isinstance(value, list) or not all(v in PREEMPTION_SIGNALS for v in value):
+        raise ValueError(f"{name} must be a list of signal names from {PREEMPTION_SIGNALS}, got {value!r}")

@@ -19,9 +19,11 @@ from grpo_fast.trainer.choices import (
     LR_SCHEDULES,
     PARALLEL,
     PRECISIONS,
+    SAVE_FAILURES,
     TRACKERS,
     TURN_ENGINES,
     check_device,
+    check_signals,
     check_trackers,
 )
 from grpo_fast.trainer.trl_names import from_trl_names
@@ -39,8 +41,9 @@ OPTIM = "optimisation"
 SPEED = "memory and speed"
 DEVICES = "devices"
 LOGS = "checkpoints, logging and the Hub"
+FAULTS = "preemption and faults"
 EVAL = "held-out evaluation"
-TOPICS = (DATA, REWARDS, TOOLING, ROLLOUT, ENGINE, ASYNC, LOSS, OPTIM, SPEED, DEVICES, LOGS, EVAL)
+TOPICS = (DATA, REWARDS, TOOLING, ROLLOUT, ENGINE, ASYNC, LOSS, OPTIM, SPEED, DEVICES, LOGS, FAULTS, EVAL)
 
 
 @dataclass
@@ -233,26 +236,18 @@ class GRPOConfig(LossConfig):
 
     save_every: int = option(50, "checkpoint every k steps (and at the end); 0 = only at the end", topic=LOGS)
     keep_checkpoints: int = option(2, "checkpoints kept on disk", topic=LOGS)
+    on_save_failure: str = option("stop", "a failed save: stop, or continue (retry at the next)", topic=FAULTS)
+    preemption_signals: list = option(["SIGTERM", "SIGUSR1"], "save a checkpoint and exit 75 on these", topic=FAULTS)
+    preemption_grace_s: float = option(60.0, "drop a preempted step not at its optimizer step by then", topic=FAULTS)
+    max_nonfinite_steps: int = option(3, "stop after this many steps in a row with NaN/inf loss or grads", topic=FAULTS)
     progress: bool = option(True, "show a progress bar", topic=LOGS)
-    report_to: list | None = option(
-        None,
-        f"experiment trackers, any of: {', '.join(TRACKERS)}; None = none",
-        topic=LOGS,
-    )
+    report_to: list | None = option(None, f"trackers, any of: {', '.join(TRACKERS)}; None = none", topic=LOGS)
     log_completions_every: int = option(
-        50,
-        "every k steps (and at the end) a sample of rollout rows to completions.jsonl and tracker tables; 0 = off",
-        topic=LOGS,
+        50, "every k steps (and at the end) sample rows to completions.jsonl and tracker tables; 0 = off", topic=LOGS
     )
-    push_to_hub: bool = option(
-        False,
-        "at the end, upload final/ and its model card (README.md) to hub_model_id",
-        topic=LOGS,
-    )
+    push_to_hub: bool = option(False, "at the end, upload final/ with its model card to hub_model_id", topic=LOGS)
     hub_model_id: str | None = option(
-        None,
-        "push_to_hub's repository, user/name or org/name; None = the output folder's name, under your account",
-        topic=LOGS,
+        None, "push_to_hub's repository, user/name or org/name; None = the output folder's name, yours", topic=LOGS
     )
 
     eval_dataset: str | None = option(
@@ -395,12 +390,16 @@ class GRPOConfig(LossConfig):
         _require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         _require(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every!r}")
         _require(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints!r}")
+        check_signals("preemption_signals", self.preemption_signals)
+        _require(self.preemption_grace_s >= 0, f"preemption_grace_s must be >= 0, got {self.preemption_grace_s!r}")
+        self._int_at_least("max_nonfinite_steps", 1)
         _require(self.lora_r >= 0, f"lora_r must be >= 0, got {self.lora_r!r}")
         _require(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
         for name, options in (("advantage_scale", SCALES), ("lr_schedule", LR_SCHEDULES), ("precision", PRECISIONS)):
             choice(name, options)
         for name, options in (("attention_kernel", ATTENTION_KERNELS), ("generator", ENGINES), ("parallel", PARALLEL)):
             choice(name, options)
+        choice("on_save_failure", SAVE_FAILURES)
         if self.reward_weights is not None:
             _require(
                 self.reward_funcs is not None and len(self.reward_weights) == len(self.reward_funcs),

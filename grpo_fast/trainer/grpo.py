@@ -214,7 +214,7 @@ class GRPOTrainer:
         for _ in range(self.config.num_iterations if batch.stats is not None else 0):
             result = self.accumulate_gradients(batch, proximal)
             proximal = proximal or Proximal.of(result, batch, self.config.correction_options(), self.runtime.ranks)
-            passes.append(dict(result.metrics, **self.optimizer_step()))
+            passes.append(dict(result.metrics, **self.optimizer_step(result.metrics["loss"])))
             self.source.publish(self.policy, self.version + len(passes))
         clock.mark("update")
         self.step += 1
@@ -250,10 +250,13 @@ class GRPOTrainer:
         )
         return accumulate(self.modules, batch, proximal, self.config, self.runtime.ranks, record)
 
-    def optimizer_step(self) -> dict:
-        """Clips the gradient norm, steps the optimizer and the schedule, clears the gradients.
-        Returns the gradient norm as a device tensor (read with the step's metrics)."""
-        return dict(grad_norm=clipped_step(self.optimizer, self.scheduler, self.config.max_grad_norm))
+    def optimizer_step(self, loss) -> dict:
+        """Clips the gradient norm, steps the optimizer and the schedule, clears the gradients;
+        a non-finite ``loss`` (this rank's share, summed over ranks here) or gradient norm skips
+        the update. Returns the gradient norm and the skip as device tensors (read with the
+        step's metrics)."""
+        loss = self.runtime.ranks.sum(torch.as_tensor(loss, dtype=torch.float32, device=self.runtime.device))
+        return clipped_step(self.optimizer, self.scheduler, self.config.max_grad_norm, loss)
 
     def extra_metrics(self, batch: StepBatch) -> dict:
         """More of the step's log line (the PPO baseline adds the critic's)."""
@@ -269,19 +272,24 @@ class GRPOTrainer:
         """Writes the step's checkpoint (every rank its shards; ``run/checkpoint.py``)."""
         return checkpoint.save_trainer(self)
 
-    def resume(self, path: str | None = None) -> int:
+    def resume(self, path: str | None = None, *, auto: bool = False) -> int:
         """Restores the newest checkpoint of the output dir (or ``path``), written at any world
-        size; returns its step. The source learns of the restored weights' version."""
+        size; returns its step. The source learns of the restored weights' version. ``auto``:
+        the newest checkpoint that passes its manifest's check (each one skipped is logged with
+        its bad file), or none, and the run starts from step 0 (a job requeued forever)."""
         ranks = self.runtime.ranks
-        path = ranks.broadcast(path or checkpoint.latest_checkpoint(self.output_dir))
-        if path is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(self.output_dir, 'checkpoints')!r}")
-        checkpoint.load_trainer(self, path)
-        self.source.publish(self.policy, self.version)
-        if ranks.is_main:
-            run_log.truncate_metrics(self.output_dir, self.step)
+        directory = self.output_dir
+        latest = checkpoint.latest_valid_checkpoint if auto else checkpoint.latest_checkpoint
+        path = ranks.broadcast(path or latest(directory))
+        if path is None and not auto:
+            raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(directory, 'checkpoints')!r}")
+        if path is not None:
+            checkpoint.load_trainer(self, path)
+            self.source.publish(self.policy, self.version)
+        if ranks.is_main and os.path.isdir(directory):
+            run_log.truncate_metrics(directory, self.step)
         ranks.barrier()
-        self.history = run_log.read_metrics(self.output_dir)
+        self.history = run_log.read_metrics(directory)
         return self.step
 
     def save_model(self) -> str:

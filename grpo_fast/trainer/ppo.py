@@ -220,10 +220,11 @@ class PPOTrainer(GRPOTrainer):
         result.metrics.update(self.accumulate_value_gradients(batch))
         return result
 
-    def optimizer_step(self) -> dict:
-        """Clips and steps the critic with its own AdamW, then the policy (GRPO's own)."""
-        value_grad_norm = clipped_step(self.value_optimizer, self.value_scheduler, self.config.max_grad_norm).item()
-        return dict(**super().optimizer_step(), value_grad_norm=value_grad_norm)
+    def optimizer_step(self, loss) -> dict:
+        """Clips and steps the critic with its own AdamW (skipped on its own non-finite gradient
+        norm), then the policy (GRPO's own)."""
+        value = clipped_step(self.value_optimizer, self.value_scheduler, self.config.max_grad_norm)
+        return dict(**super().optimizer_step(loss), value_grad_norm=value["grad_norm"].item())
 
     def extra_metrics(self, batch: PPOBatch) -> dict:
         mask = batch.completion_mask

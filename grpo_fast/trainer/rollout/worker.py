@@ -41,7 +41,8 @@ so a checkpoint resumes there and the batches that were in flight are sampled ag
 Failures: a worker that raises sends its traceback, and the trainer raises it; a worker that
 dies without one (killed) is noticed within a poll interval. The worker dies with the
 trainer (``PR_SET_PDEATHSIG`` on Linux, and a check of its parent while it waits) and ignores
-SIGINT: Ctrl-C reaches the trainer, which stops the worker on its way out.
+SIGINT and the preemption signals: Ctrl-C, or a scheduler's signal to the whole process group,
+reaches the trainer, which saves and stops the worker on its way out.
 
 Where workers live: one per training process, on ``generation_device`` (default the trainer's
 device; under torchrun each rank's worker samples that rank's share of the prompts). On CPU the
@@ -279,7 +280,8 @@ class AsyncRollouts(RolloutSource):
 # -------------------------------------------------------------------- the worker process
 def serve(setup: WorkerSetup) -> None:
     """The worker's main: serves requests until told to stop; any error goes to the trainer."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which stops the worker
+    for name in {"SIGINT", *setup.config.preemption_signals}:  # the trainer's to act on, and it stops the worker
+        signal.signal(signal.Signals[name], signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the trainer
     try:

@@ -8,19 +8,29 @@
                                        PPO baseline's critic) under its own name
         trainer.pt                     step, data position, LR schedules, config (rank 0)
         rng-0.pt, rng-1.pt, ...        each rank's RNG states
+        manifest.json                  every other file's size and CRC-32s (rank 0, last)
 
-Every rank writes into ``checkpoints/.tmp-step-000050``; when all are done (a barrier) rank 0
-renames the folder into place, so a crash mid-write never leaves a folder that looks like a
-checkpoint. Tensors are stored with their global shapes, so a checkpoint loads at any world
-size, under DDP or FSDP2 (resharded on load), and in a plain process without a process group.
+Every rank writes into ``checkpoints/.tmp-step-000050``; when all are done rank 0 writes the
+manifest and renames the folder into place, so a crash mid-write never leaves a folder that
+looks like a checkpoint. A write that fails on any rank (a full disk) fails the save on every
+rank (they agree, none waits for the others): its folder is removed, the previous checkpoint
+is left as it was, and :class:`CheckpointSaveError` says where and why in one line. Loading
+checks the manifest first, so a truncated or corrupted file is named before anything is read
+(:func:`latest_valid_checkpoint` skips such a checkpoint for the one before). Tensors are stored
+with their global shapes, so a checkpoint loads at any world size, under DDP or FSDP2
+(resharded on load), and in a plain process without a process group.
 """
 
 import contextlib
+import json
+import logging
 import os
 import random
 import re
 import shutil
 import warnings
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -29,13 +39,23 @@ from grpo_fast.trainer import distributed
 from grpo_fast.trainer.run import hub
 from grpo_fast.trainer.update.optimization import load_schedule_state, schedule_state
 
+logger = logging.getLogger("grpo_fast")
+
 _NAME = re.compile(r"step-(\d+)")
 TRAINER_STATE = "trainer.pt"
+MANIFEST = "manifest.json"
 REQUIRED_KEYS = ("step", "data_position", "scheduler", "config")
+# The manifest's CRC-32s are taken over pieces of this size, in parallel threads (zlib releases
+# the GIL): the checksums of a checkpoint cost its size / (cores x ~3.7 GB/s).
+_PIECE = 64 << 20
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read, is missing parts of the state or is another model's."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint that could not be written (its partial folder is gone, the previous one intact)."""
 
 
 def rng_state() -> dict:
@@ -73,6 +93,69 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return paths[-1] if paths else None
 
 
+def latest_valid_checkpoint(output_dir: str) -> str | None:
+    """The newest checkpoint of ``output_dir`` that passes :func:`verify_checkpoint`, None when
+    there is none; each one skipped is logged with the file that failed."""
+    for path in reversed(list_checkpoints(output_dir)):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as exc:
+            logger.warning("--resume auto skips it: %s", exc)
+    return None
+
+
+def _crc32s(path: str) -> list:
+    """The CRC-32s of the file at ``path``, one per ``_PIECE`` bytes, hex."""
+    size = os.path.getsize(path)
+
+    def piece(start: int) -> str:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f"{zlib.crc32(f.read(_PIECE)):08x}"
+
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+        return list(pool.map(piece, range(0, max(size, 1), _PIECE)))
+
+
+def _write_manifest(folder: str) -> None:
+    files = sorted(name for name in os.listdir(folder) if name != MANIFEST)
+    entries = {
+        name: dict(bytes=os.path.getsize(os.path.join(folder, name)), crc32=_crc32s(os.path.join(folder, name)))
+        for name in files
+    }
+    _write(lambda f: f.write(json.dumps(dict(files=entries), indent=1).encode()), os.path.join(folder, MANIFEST))
+
+
+def verify_checkpoint(path: str) -> None:
+    """Every file of the checkpoint at ``path`` is there with the size and CRC-32s its manifest
+    records (a checkpoint written before manifests: only that its trainer state is there);
+    raises :class:`CheckpointError` naming the first file that is not."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path!r} is corrupt or incomplete: {what}")
+
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest):
+        if not os.path.exists(os.path.join(path, TRAINER_STATE)):
+            raise bad(f"{TRAINER_STATE} is missing")
+        return
+    try:
+        with open(manifest) as f:
+            entries = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise bad(f"{MANIFEST} is unreadable ({type(exc).__name__}: {exc})") from exc
+    for name, entry in entries.items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise bad(f"{name} is missing")
+        size = os.path.getsize(file)
+        if size != entry["bytes"]:
+            raise bad(f"{name} has {size} bytes, its manifest {entry['bytes']} (truncated)")
+        if _crc32s(file) != entry["crc32"]:
+            raise bad(f"{name} fails its CRC-32 check")
+
+
 def _model_and_optimizer(model, optimizer) -> dict:
     """``{"model": trainable weights by name, "optimizer": its states by parameter name}``:
     this rank's shards under FSDP2 (DTensors), whole tensors otherwise."""
@@ -99,39 +182,91 @@ def _quiet_without_process_group():
         yield
 
 
-def _save(obj, path: str) -> None:
+def _write(write, path: str) -> None:
+    """``write(f)`` into a new file at ``path``, flushed to the disk."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _save(obj, path: str) -> None:
+    _write(lambda f: torch.save(obj, f), path)
+
+
+def _attempt(write) -> BaseException | None:
+    """The error ``write()`` raised (an OSError, or DCP's CheckpointException, a BaseException),
+    None when it wrote."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        write()
+    except (Exception, CheckpointException) as exc:
+        return exc
+    return None
+
+
+def _on_every_rank(ranks, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (every rank calls it: one all-reduce)."""
+    return not ranks.max(int(not ok))
+
+
+def _finite(modules: list, ranks) -> bool:
+    """Whether every trainable weight of ``modules`` is finite, on every rank (its shards)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for m in modules for p in m.parameters() if p.requires_grad]
+    return _on_every_rank(ranks, not local or bool(torch.stack([torch.isfinite(p).all() for p in local]).all()))
 
 
 def save_checkpoint(output_dir: str, state: dict, model, optimizer, ranks, keep: int, more: dict | None = None) -> str:
     """Writes the checkpoint of ``state["step"]`` (``state`` holds the REQUIRED_KEYS) with the
     trainable weights of ``model`` and the states of ``optimizer``, and those of every other
     trained ``{name: (model, optimizer)}`` in ``more``; keeps the newest ``keep``. Every rank
-    of ``ranks`` (a ``distributed.Ranks``) calls it."""
+    of ``ranks`` (a ``distributed.Ranks``) calls it. A weight that is not finite, or a write
+    that fails on any rank, is a :class:`CheckpointSaveError` on every rank: nothing of this
+    checkpoint is left, the others are as they were."""
     import torch.distributed.checkpoint as dcp
 
+    more = more or {}
     path = checkpoint_path(output_dir, state["step"])
     tmp = os.path.join(os.path.dirname(path), ".tmp-" + os.path.basename(path))
+    if not _finite([model, *(m for m, _ in more.values())], ranks):
+        raise CheckpointSaveError(f"checkpoint {path!r} not written: the weights hold a NaN or an infinity")
     if ranks.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left
     ranks.barrier()
-    os.makedirs(tmp, exist_ok=True)
-    try:
+
+    def small_files():
+        os.makedirs(tmp, exist_ok=True)
         _save(rng_state(), os.path.join(tmp, f"rng-{ranks.rank}.pt"))
         if ranks.is_main:
             _save(state, os.path.join(tmp, TRAINER_STATE))
-        with _quiet_without_process_group():
-            dcp.save(_stored_tensors(model, optimizer, more or {}), checkpoint_id=tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    ranks.barrier()
-    if ranks.is_main:
+
+    def tensors():
+        with _quiet_without_process_group():  # DCP fails on every rank when one rank's write does
+            dcp.save(_stored_tensors(model, optimizer, more), checkpoint_id=tmp)
+
+    def publish():
+        _write_manifest(tmp)
         shutil.rmtree(path, ignore_errors=True)  # the same step written again by a resumed run
         os.replace(tmp, path)
+
+    error = _attempt(small_files)
+    written = _on_every_rank(ranks, error is None)
+    if written:
+        error = _attempt(tensors)
+    if written and ranks.is_main and error is None:
+        error = _attempt(publish)
+    if not _on_every_rank(ranks, error is None):
+        if ranks.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = (
+            f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}" if error else "another rank's write failed"
+        )
+        raise CheckpointSaveError(
+            f"checkpoint {path!r} not written ({cause}); its partial folder is removed, the newest checkpoint "
+            f"is {latest_checkpoint(output_dir)!r}"
+        ) from error
+    if ranks.is_main:
         for old in list_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old)
     ranks.barrier()
@@ -143,11 +278,13 @@ def load_checkpoint(path: str, model, optimizer, ranks, more: dict | None = None
     to this job), those of each ``{name: (model, optimizer)}`` in ``more``, and this rank's RNG
     states (a rank the checkpoint did not have keeps its own seeding: copying another rank's
     would make the two draw alike); returns the trainer state (the REQUIRED_KEYS). A
-    truncated, corrupt or incomplete checkpoint, or another model's, is a :class:`CheckpointError`."""
+    truncated, corrupt or incomplete checkpoint (its manifest checked first: :func:`verify_checkpoint`),
+    or another model's, is a :class:`CheckpointError`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    verify_checkpoint(path)
     try:
         state = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=False)
         stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

@@ -22,6 +22,7 @@ METRIC_KEYS = (
     "tokens_per_s",
     "step_time_s",
     "peak_mem_bytes",
+    "nonfinite_steps",
 )
 # Rows of each completions sample (completions.jsonl), spread over the batch's groups.
 COMPLETION_ROWS = 16

@@ -9,6 +9,8 @@ import torch
 
 # The loss and the loss metrics that each backward pass logs (LossOutput's fields but ratio_mean).
 PASS_METRICS = ("loss", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy")
+# What the passes count: the log line sums these over a step's passes (the rest are means).
+PASS_COUNTS = ("nonfinite_steps",)
 
 
 def read_metrics(passes: list, ranks, device: torch.device) -> list:
@@ -145,6 +147,7 @@ def log_line(
     for key in passes[0] if passes else PASS_METRICS:
         values = [p[key] for p in passes]
         metrics[key] = None if None in values or not values else sum(values) / len(values)
+    metrics.update({key: int(sum(p[key] for p in passes)) for key in PASS_COUNTS})  # 0 for a step without update
     metrics.update(
         completion_len_mean=stats["completion_len_mean"] if len(lengths) else None,
         tokens_per_s=stats["tokens"] / elapsed,
