@@ -232,6 +232,33 @@ def start_child(command: list, timeout: float = 300, **env):
             proc.stderr = err.read()
 
 
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def worker_pids(launcher: int) -> dict:
+    """{rank: pid} of the processes torchrun (pid ``launcher``) started."""
+    ranks = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if parent == launcher and b"RANK" in environ:
+            ranks[int(environ[b"RANK"])] = int(entry)
+    return ranks
+
+
 def wait_until(condition, timeout: float) -> bool:
     """Whether ``condition()`` holds within ``timeout`` seconds (polled every 0.1 s)."""
     end = time.monotonic() + timeout

@@ -24,6 +24,7 @@ import pytest
 import torch
 from conftest import (
     TESTS,
+    alive,
     assert_rows_close,
     one_thread,
     rel_err,
@@ -32,6 +33,7 @@ from conftest import (
     torchrun_command,
     wait_until,
     without_timings,
+    worker_pids,
 )
 
 from grpo_fast.spec import LOSS_TYPES
@@ -137,33 +139,6 @@ DEMO = [
 
 def train_command(output: str, *args) -> list:
     return torchrun_command("-m", "grpo_fast", "train", "--output", output, *DEMO, *args)
-
-
-def worker_pids(launcher: int) -> dict:
-    """{rank: pid} of the processes torchrun (pid ``launcher``) started."""
-    ranks = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        if parent == launcher and b"RANK" in environ:
-            ranks[int(environ[b"RANK"])] = int(entry)
-    return ranks
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_torchrun_learns_like_one_process_resumes_after_a_killed_rank_and_evaluates_as_one(tmp_path):

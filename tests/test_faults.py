@@ -271,3 +271,47 @@ def test_cli_preempted_exits_75_and_resume_auto_finishes_as_the_uninterrupted_ru
         assert without_timings(read_metrics(periodic)[:step]) == without_timings(truth[:step])
         truth = read_metrics(periodic)
     assert without_timings(read_metrics(cut)) == without_timings(truth)
+
+
+def test_torchrun_preempted_by_one_rank_or_the_launcher_saves_one_step_and_resumes_bit_exact(tmp_path):
+    """A 2-rank demo run (24 steps, no periodic checkpoint): SIGUSR1 to rank 1 alone makes both
+    ranks save the same step and exit 75 (torchrun then exits 1, reporting the ranks' 75);
+    resumed with ``--resume auto``, SIGTERM to the launcher (which passes it to each rank)
+    does the same again. No rank is left running, no partial folder is left, and the last
+    ``--resume auto`` ends with the metrics of the 2-rank run left alone, bit for bit."""
+    import re
+
+    from conftest import alive, start_child, torchrun_command, wait_until, worker_pids
+
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    train = ["-m", "grpo_fast", "train", "--steps", "24", "--save-every", "0", "--no-progress"]
+
+    def logged() -> int:
+        return len(read_metrics(cut)) if os.path.exists(os.path.join(cut, "metrics.jsonl")) else 0
+
+    saved = []
+    for target, name, resume in (("rank 1", "SIGUSR1", []), ("launcher", "SIGTERM", ["--resume", "auto"])):
+        with start_child(torchrun_command(*train, "--output", cut, *resume), timeout=120) as launcher:
+            start = logged()
+            assert wait_until(lambda: logged() >= start + 3 or launcher.poll() is not None, 120)
+            ranks = worker_pids(launcher.pid)
+            assert sorted(ranks) == [0, 1], launcher.poll()
+            if target == "rank 1":
+                os.kill(ranks[1], signal.SIGUSR1)
+            else:
+                launcher.send_signal(signal.SIGTERM)
+        said = launcher.stderr[-3000:]
+        assert launcher.returncode != 0, said
+        assert f"grpo-fast: preempted by {name}: checkpoint of step {logged()}" in launcher.stderr, said
+        if target == "rank 1":
+            assert re.search(r"exitcode\s*:\s*75", launcher.stderr), launcher.stderr[-3000:]
+        assert ckpt.latest_checkpoint(cut) == ckpt.checkpoint_path(cut, logged()) and logged() < 24
+        assert not [d for d in os.listdir(os.path.join(cut, "checkpoints")) if d.startswith(".tmp")]
+        assert not any(alive(pid) for pid in ranks.values())
+        saved.append(logged())
+    assert saved[1] > saved[0]
+    with start_child(torchrun_command(*train, "--output", cut, "--resume", "auto"), timeout=180) as last:
+        with start_child(torchrun_command(*train, "--output", full), timeout=180) as alone:
+            pass
+    assert last.returncode == alone.returncode == 0, (last.stderr[-2000:], alone.stderr[-2000:])
+    assert without_timings(read_metrics(cut)) == without_timings(read_metrics(full))

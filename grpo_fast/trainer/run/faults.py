@@ -71,8 +71,9 @@ class Preemption:
         config = trainer.config
         self.trainer, self.grace = trainer, config.preemption_grace_s
         self.signals = [signal.Signals[name] for name in config.preemption_signals]
-        self.received: str | None = None  # the name of the first signal this process took
+        self.received = 0  # the first preemption signal this process took (0: none)
         self.dropped = False
+        self._agreed = 0  # the largest signal number any rank took, after requested()
         self._droppable = False  # in a step whose optimizers have not stepped yet
         self._previous: dict = {}
         self._hooks: list = []
@@ -101,12 +102,14 @@ class Preemption:
         self._previous, self._hooks = {}, []
 
     def _on_signal(self, signum, frame) -> None:
-        if self.received is not None:
+        if self.received:
             return
-        self.received = signal.Signals(signum).name
+        self.received = signum
         ranks = self.trainer.runtime.ranks
         logger.warning(
-            "rank %d: %s received; the run saves and stops after the step in progress", ranks.rank, self.received
+            "rank %d: %s received; the run saves and stops after the step in progress",
+            ranks.rank,
+            signal.Signals(signum).name,
         )
         if ranks.world_size == 1:
             signal.setitimer(signal.ITIMER_REAL, max(self.grace, 1e-3))  # 0 would disarm the timer
@@ -140,8 +143,10 @@ class Preemption:
             self._droppable = False
 
     def requested(self) -> bool:
-        """Whether any rank took a preemption signal (every rank calls it after each step)."""
-        return bool(self.trainer.runtime.ranks.max(int(self.received is not None)))
+        """Whether any rank took a preemption signal (every rank calls it after each step: one
+        all-reduce, of the signal's number, so that every rank can name it)."""
+        self._agreed = self.trainer.runtime.ranks.max(int(self.received))
+        return bool(self._agreed)
 
     def stop(self, saved: int | None) -> Preempted:
         """Writes the checkpoint of the trainer's step (unless ``saved``, the step of the run's
@@ -150,8 +155,7 @@ class Preemption:
         path = checkpoint.checkpoint_path(trainer.output_dir, trainer.step)
         if saved != trainer.step:
             path = trainer.save_checkpoint()
-        name = trainer.runtime.ranks.broadcast(self.received or "another rank's signal")
-        return Preempted(name, trainer.step, path, self.dropped)
+        return Preempted(signal.Signals(self._agreed).name, trainer.step, path, self.dropped)
 
 
 class NonFiniteGuard:
