@@ -226,7 +226,7 @@ def worker() -> None:
         case["program"] = case["program"].replace("$trainer_pid", str(os.getpid()))
     cgroup_parent = runner._cgroup_parent()  # where the sandbox makes its cgroups, if anywhere
     start = time.monotonic()
-    report = {"isolation": run_python("pass").isolation, "error": None, "block_s": [], "samples": []}
+    report = {"isolation": run_python("pass").isolation, "error": None, "block_s": [], "reward_s": [], "samples": []}
     report["samples"].append(resources(0, start, cgroup_parent))
     verdicts = []
     for first in range(0, len(cases), BLOCK):
@@ -241,6 +241,7 @@ def worker() -> None:
         except Exception as exc:  # the contract is that it never raises for what a program does
             report["error"] = f"code_reward raised {type(exc).__name__}: {exc}"
             scored = ["raised"] * len(reward)
+        report["reward_s"].append(time.perf_counter() - began)
         calls = [ToolCall("python", {"code": block[i]["program"]}) for i in tool]
         answered = [tool_verdict(r) for r in run_tool_calls(calls, tools, timeout_s=TOOL_TIMEOUT_S)]
         report["block_s"].append(time.perf_counter() - began)
@@ -417,6 +418,8 @@ def soak(mode: str, n: int, tolerance: float) -> dict:
         "wall_s": round(sum(caller.report["block_s"]), 1),
         "reward_limits": caller.limits,
         **result,
+        "block_s": [round(t, 2) for t in caller.report["block_s"]],
+        "reward_s": [round(t, 2) for t in caller.report["reward_s"]],
         "samples": caller.report["samples"],
     }
 
