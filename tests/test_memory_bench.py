@@ -54,6 +54,8 @@ def test_tiny_preset_writes_every_key(tiny):
         if "optimizer_bytes" in res:
             assert res["optimizer_bytes"] >= 2 * res["grads_bytes"]  # exp_avg, exp_avg_sq (+ step counters)
     assert results["grpo_fused_linear"]["logits_bytes"] == 0
+    # at this vocabulary the fused paths sweep it in eager chunks: nothing loads inductor
+    assert not any(results[name]["inductor_loaded"] for name in memory.CONFIGS)
     assert results["meta"]["settings"]["preset"] == "tiny"
     assert set(results["meta"]["ratios"]) >= {"grpo_fused/ppo", "grpo_fused/grpo_eager"}
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -61,7 +63,9 @@ def test_tiny_preset_writes_every_key(tiny):
 
 
 def test_unknown_preset_is_a_clear_error(capsys):
-    with pytest.raises(ValueError, match=r"unknown preset 'huge'; choose one of \['100m', '1b', 'tiny'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown preset 'huge'; choose one of \['100m', '1b', 'qwen2.5-0.5b', 'tiny'\]"
+    ):
         memory.run_memory_benchmark(preset="huge")
     assert memory.main(["--preset", "huge"]) == 2
     assert "unknown preset 'huge'" in capsys.readouterr().err
@@ -182,3 +186,96 @@ def test_worker_trains_a_saved_model(tmp_path):
     assert result["params_bytes"] == 4 * (2 * params + decoder + 17)
     assert result["grads_bytes"] == 4 * (params + decoder + 17)
     assert result["num_params"] == params and result["step_s"] > 0
+
+
+def test_fused_sweep_compiles_only_where_it_repays_its_resident_cost(monkeypatch):
+    """The CPU sweep's route at each preset's micro-batch logits (completion tokens x V): the
+    100m preset's 6M logits run as eager chunks (compiled, inductor's ~230 MiB put grpo_fused
+    above grpo_eager), the Qwen-shaped preset's 156M compile; GRPO_FAST_CPU_COMPILE forces one."""
+    import torch
+
+    from grpo_fast.ops._backend import cpu_compile
+
+    monkeypatch.delenv("GRPO_FAST_CPU_COMPILE", raising=False)
+
+    def logits(preset):  # the largest [tokens, V] one forward scores, without allocating it
+        settings = memory.PRESETS[preset]
+        rows = settings["micro_batch"] or settings["batch"]
+        return torch.empty(()).expand(rows * settings["completion_length"], settings["model"]["vocab_size"])
+
+    assert [cpu_compile(logits(p)) for p in ("tiny", "100m", "qwen2.5-0.5b")] == [False, False, True]
+    monkeypatch.setenv("GRPO_FAST_CPU_COMPILE", "1")
+    assert cpu_compile(logits("tiny"))
+    monkeypatch.setenv("GRPO_FAST_CPU_COMPILE", "0")
+    assert not cpu_compile(logits("qwen2.5-0.5b"))
+
+
+def test_fused_head_runs_where_it_saves_memory():
+    """The trainer's fused_linear route at each preset's completion tokens: the 100m preset's
+    micro-batch logits (192 x 32,000) fit one chunk, where the fused head would also hold the
+    [V, H] weight gradient from its forward (it peaked 15 MiB above eager): the plain head runs;
+    the Qwen-shaped preset's (1,024 x 151,936) take two chunks: the fused head runs; a tiny
+    model's gradient is under 1 MiB: the fused head is kept."""
+    import torch
+
+    from grpo_fast.ops.fused_linear_grpo_loss import fused_head_saves_memory
+
+    def saves(preset):
+        settings = memory.PRESETS[preset]
+        rows = settings["micro_batch"] or settings["batch"]
+        shape = settings["model"]["vocab_size"], settings["model"]["hidden_size"]
+        weight = torch.empty(()).expand(shape)  # [V, H] without allocating it
+        return fused_head_saves_memory(rows * settings["completion_length"], weight, torch.float32)
+
+    assert [saves(p) for p in ("tiny", "100m", "qwen2.5-0.5b")] == [True, False, True]
+    # the chunk budget is in bytes: bf16 logits fit twice the rows
+    weight = torch.empty(()).expand(151936, 896)
+    assert not fused_head_saves_memory(800, weight, torch.bfloat16) and fused_head_saves_memory(
+        800, weight, torch.float32
+    )
+
+
+def test_a_hub_model_name_is_loaded_as_the_trainer_loads_it(monkeypatch):
+    """``--model org/name`` goes to from_pretrained as given, without local_files_only (no
+    network here: the loaders are stand-ins that record their arguments, as in the trainer's
+    Hub-name test); a name that cannot be reached is a ValueError naming it."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    calls = []
+
+    def loader(made):
+        return classmethod(lambda cls, name, **kwargs: calls.append((cls.__name__, name, kwargs)) or made)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", loader(config))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loader(LlamaForCausalLM(config)))
+    memory.check_causal_lm("org/tiny-llama")
+    spec = dict(
+        memory.preset_settings("tiny"),
+        model_path="org/tiny-llama",
+        preset="tiny",
+        group_size=4,
+        beta=0.0,
+        repeats=1,
+        jobs=1,
+        device="cpu",
+        config="grpo_fused",
+    )
+    result = memory.worker(spec)
+    assert [(cls, name, kwargs["local_files_only"]) for cls, name, kwargs in calls] == [
+        ("AutoConfig", "org/tiny-llama", False),
+        ("AutoModelForCausalLM", "org/tiny-llama", False),
+    ]
+    params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    assert result["num_params"] == params and result["params_bytes"] == 4 * params
+
+    def offline(cls, name, **kwargs):
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load the files for {name}.")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", classmethod(offline))
+    with pytest.raises(ValueError, match=r"model 'org/missing': offline or not found on the Hub \(We couldn't"):
+        memory.run_memory_benchmark(preset="tiny", model="org/missing")

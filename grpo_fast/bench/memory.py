@@ -15,6 +15,10 @@ synthetic rollout batch, in its own fresh process:
     grpo_fused         GRPOTrainer with grpo_fast.grpo_loss
     grpo_fused_linear  GRPOTrainer with grpo_fast.fused_linear_grpo_loss (no [B, T, V] logits)
 
+and, when named in ``configs``, grpo_fused with its CPU vocabulary sweep on one route:
+``grpo_fused_compiled`` (inductor's kernels) or ``grpo_fused_chunked`` (eager chunks).
+grpo_fused picks the route by the logits' size (``ops/_backend.py``).
+
 Peak memory is measured, not estimated, in the steady state: the peak of the second step,
 whose backward runs while AdamW's moments (created by the first step) are held. On CUDA it is
 ``torch.cuda.max_memory_allocated``; on CPU the growth of the process's peak resident set
@@ -34,6 +38,7 @@ its shards). PPO runs in one process only (left out by default).
 
     grpo-fast bench memory --preset 100m --json memory.json --plot memory.png
     grpo-fast bench memory --model ./my-llama --batch 16
+    grpo-fast bench memory --model Qwen/Qwen2.5-0.5B-Instruct --preset qwen2.5-0.5b
     grpo-fast bench memory --preset 100m --configs grpo_fused --nproc 2 --parallel fsdp
     python -m grpo_fast.bench.memory --preset tiny
 """
@@ -44,14 +49,16 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from grpo_fast.bench.memory_step import worker
+from grpo_fast.bench.memory_step import SWEEP_ROUTES, worker
 from grpo_fast.trainer.choices import PARALLEL
 
 CONFIGS = ("ppo", "grpo_eager", "grpo_fused", "grpo_fused_linear")
+ALL_CONFIGS = CONFIGS + tuple(SWEEP_ROUTES)
 
-# Model shapes (Llama-style, tied embeddings), the rollout batch and the micro-batch (sequences
-# per forward/backward, None = all) of each preset. ``100m`` accumulates gradients over four
-# micro-batches, as a run whose memory is tight does, so the model's states are most of it.
+# Model shapes (Llama-style unless ``model_type`` says otherwise, tied embeddings), the rollout
+# batch and the micro-batch (sequences per forward/backward, None = all) of each preset. ``100m``
+# accumulates gradients over four micro-batches, as a run whose memory is tight does, so the
+# model's states are most of it.
 PRESETS = {
     "tiny": dict(
         model=dict(
@@ -81,6 +88,26 @@ PRESETS = {
         prompt_length=32,
         completion_length=96,
     ),
+    # Qwen2.5-0.5B's shape (Qwen2: q/k/v biases, 2 KV heads, tied 151,936-token vocabulary), all
+    # 24 layers: PPO fits in 24 GiB on CPU (about 16 GiB). A GSM8K batch of one group: prompts
+    # with the recipe's system prompt, answers of 129-256 tokens (GSM8K's are mostly under 300),
+    # in one micro-batch as in recipes/gsm8k_qwen2.5_0.5b.yaml, whose micro-batches hold up to
+    # 16,384 tokens; a group rather than the recipe's 16 keeps a CPU step near a minute.
+    "qwen2.5-0.5b": dict(
+        model=dict(
+            model_type="qwen2",
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+        ),
+        batch=4,
+        micro_batch=None,
+        prompt_length=128,
+        completion_length=256,
+    ),
     "1b": dict(  # TinyLlama-1.1B's shape; for a GPU (about 40 GB for PPO)
         model=dict(
             hidden_size=2048,
@@ -109,13 +136,23 @@ def preset_settings(preset: str) -> dict:
 
 
 def check_causal_lm(path: str) -> None:
-    """Raises ValueError unless ``path`` is a local folder holding a causal-LM config."""
+    """Raises ValueError unless ``path`` is a local folder holding a causal-LM config, or a Hub
+    name (as the trainer's ``--model`` takes it) whose config is cached or can be fetched."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+    from grpo_fast.tasks.datasets import is_local_path
+
+    local = is_local_path(path)
+    if local and (not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json"))):
         raise ValueError(f"model path {path!r} is not a model folder with a config.json (nothing is downloaded)")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=local)
+    except OSError as exc:
+        raise ValueError(
+            f"model {path!r}: offline or not found on the Hub ({str(exc).splitlines()[0]}); pass a local "
+            "folder that from_pretrained reads, or connect and unset HF_HUB_OFFLINE"
+        ) from exc
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     architectures = config.architectures or []
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
@@ -154,8 +191,9 @@ def run_memory_benchmark(
     stays valid, but the step times then share the CPU and are not comparable. ``nproc`` > 1
     runs each GRPO configuration under torchrun on that many processes (``parallel``: ddp or
     fsdp); PPO, which runs in one process, is then left out (naming it is a ValueError).
-    ``model`` (a local causal-LM folder) replaces the preset's model; the preset still gives
-    the batch shape unless ``batch``, ``prompt_length`` or ``completion_length`` override it.
+    ``model`` (a causal LM: a local folder, or a Hub name that ``from_pretrained`` fetches)
+    replaces the preset's model; the preset still gives the batch shape unless ``batch``,
+    ``prompt_length`` or ``completion_length`` override it.
     """
     from grpo_fast.bench.measure import machine_info, run_isolated
 
@@ -165,9 +203,9 @@ def run_memory_benchmark(
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
     configs = list((CONFIGS if nproc == 1 else CONFIGS[1:]) if configs is None else configs)
-    unknown = [c for c in configs if c not in CONFIGS]
+    unknown = [c for c in configs if c not in ALL_CONFIGS]
     if unknown:
-        raise ValueError(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
+        raise ValueError(f"unknown configs {unknown}; choose from {list(ALL_CONFIGS)}")
     if nproc > 1 and "ppo" in configs:
         raise ValueError(f"the PPO baseline runs in one process: leave ppo out of configs with nproc={nproc}")
     overrides = dict(
@@ -234,14 +272,15 @@ def run_memory_benchmark(
 
 
 def _ratios(results: dict) -> dict:
-    """Peak of each configuration over PPO's, and grpo_fused over grpo_eager, when both ran."""
+    """Peak of each configuration over PPO's, and each fused one's over grpo_eager's, when both ran."""
 
     def peak(name):
         return results.get(name, {}).get("peak_bytes")
 
-    ratios = {f"{name}/ppo": peak(name) / peak("ppo") for name in CONFIGS[1:] if peak(name) and peak("ppo")}
-    if peak("grpo_fused") and peak("grpo_eager"):
-        ratios["grpo_fused/grpo_eager"] = peak("grpo_fused") / peak("grpo_eager")
+    ratios = {f"{name}/ppo": peak(name) / peak("ppo") for name in ALL_CONFIGS[1:] if peak(name) and peak("ppo")}
+    for name in ALL_CONFIGS[2:]:
+        if peak(name) and peak("grpo_eager"):
+            ratios[f"{name}/grpo_eager"] = peak(name) / peak("grpo_eager")
     return ratios
 
 
@@ -253,7 +292,7 @@ def table_rows(results: dict) -> list:
 
     ppo = results.get("ppo", {}).get("peak_bytes")
     rows = []
-    for name in CONFIGS:
+    for name in ALL_CONFIGS:
         res = results.get(name)
         if res is None:
             continue
@@ -297,7 +336,7 @@ def plot_results(results: dict, path: str) -> None:
     """Stacked bars of the measured peak: parameters, gradients, optimizer states, the rest."""
     from matplotlib.figure import Figure  # no pyplot: the caller's plotting backend is left alone
 
-    names = [n for n in CONFIGS if n in results and "error" not in results[n]]
+    names = [n for n in ALL_CONFIGS if n in results and "error" not in results[n]]
     parts = [
         ("params_bytes", "parameters"),
         ("grads_bytes", "gradients"),
@@ -341,10 +380,11 @@ def plot_results(results: dict, path: str) -> None:
 # ---------------------------------------------------------------- command line
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``grpo-fast bench memory``."""
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", default="100m", help=f"model and batch shape: {', '.join(PRESETS)} (default 100m)")
-    source.add_argument(
-        "--model", help="a local causal-LM folder (from_pretrained); the batch shape is the 100m preset's"
+    parser.add_argument("--preset", default="100m", help=f"model and batch shape: {', '.join(PRESETS)} (default 100m)")
+    parser.add_argument(
+        "--model",
+        help="a causal LM to measure instead of the preset's: a local folder or a Hub name (from_pretrained); "
+        "the batch shape stays the preset's",
     )
     parser.add_argument("--batch", type=int, help="sequences per step (default: the preset's)")
     parser.add_argument("--prompt-length", type=int, help="prompt tokens per sequence (default: the preset's)")
@@ -355,7 +395,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--beta", type=float, default=0.0, help="KL weight; > 0 adds a frozen reference model (default 0)"
     )
     parser.add_argument(
-        "--configs", nargs="+", help=f"subset of {' '.join(CONFIGS)} (default: all; with --nproc > 1 all but ppo)"
+        "--configs",
+        nargs="+",
+        help=f"of {' '.join(ALL_CONFIGS)} (default: the first four; with --nproc > 1 all but ppo)",
     )
     parser.add_argument("--repeats", type=int, default=2, help="timed steps after the measured one (default 2)")
     parser.add_argument("--jobs", type=int, default=1, help="configurations at once (peaks stay valid, times do not)")
@@ -402,7 +444,7 @@ def command(args: argparse.Namespace) -> int:
     for path in (args.json, args.plot):
         if path:
             print(f"wrote {path}")
-    return 1 if any("error" in results[n] for n in CONFIGS if n in results) else 0
+    return 1 if any("error" in results[n] for n in ALL_CONFIGS if n in results) else 0
 
 
 def main(argv=None, prog: str | None = None) -> int:

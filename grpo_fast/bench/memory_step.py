@@ -7,6 +7,10 @@ import os
 import sys
 
 _TOKENIZER_NOT_USED = object()  # the trainers need a tokenizer only to sample and to save
+# grpo_fused with its CPU vocabulary sweep forced to one route (GRPO_FAST_CPU_COMPILE): the
+# kernels inductor builds, or eager chunks. grpo_fused picks one by the logits' size
+# (ops/_backend.py); naming these configurations shows the route it did not pick beside it.
+SWEEP_ROUTES = {"grpo_fused_compiled": "1", "grpo_fused_chunked": "0"}
 
 
 def _synthetic_batch(N: int, P: int, C: int, V: int, device):
@@ -44,14 +48,22 @@ def _fixed_source(batch: dict, ranks):
 
 
 def _build_policy(spec: dict):
+    """The preset's model built from its config, or ``model_path`` (a local folder, or a Hub
+    name as the trainer takes it, downloaded by ``from_pretrained`` when not cached)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_fast.tasks.datasets import is_local_path
 
     if spec.get("model_path"):
-        return AutoModelForCausalLM.from_pretrained(spec["model_path"], local_files_only=True, dtype=torch.float32)
+        name = spec["model_path"]
+        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=is_local_path(name))
+    shape = dict(spec["model"])
     length = spec["prompt_length"] + spec["completion_length"]
-    config = LlamaConfig(**spec["model"], max_position_embeddings=length, tie_word_embeddings=True)
-    return LlamaForCausalLM(config)
+    config = AutoConfig.for_model(
+        shape.pop("model_type", "llama"), **shape, max_position_embeddings=length, tie_word_embeddings=True
+    )
+    return AutoModelForCausalLM.from_config(config)
 
 
 def _state_bytes(tensors) -> int:
@@ -62,15 +74,17 @@ def _state_bytes(tensors) -> int:
 
 def worker(spec: dict) -> dict:
     """One configuration's peak over two steps and the time of ``repeats`` more; runs in a fresh process."""
-    if spec["config"] == "grpo_eager":
+    name = spec["config"]
+    if name == "grpo_eager":
         os.environ["GRPO_FAST_BACKEND"] = "reference"
+    if name in SWEEP_ROUTES:
+        os.environ["GRPO_FAST_CPU_COMPILE"] = SWEEP_ROUTES[name]
     import torch
 
     from grpo_fast.bench.measure import current_rss_bytes, peak_rss_bytes, time_fn
     from grpo_fast.trainer import GRPOConfig, GRPOTrainer, distributed
     from grpo_fast.trainer.ppo import PPOConfig, PPOTrainer
 
-    name = spec["config"]
     processes = spec["jobs"] * spec.get("nproc", 1)
     if processes > 1:  # processes side by side share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
@@ -135,6 +149,9 @@ def worker(spec: dict) -> dict:
         rest_bytes=int(peak) - sum(states.values()),
         num_params=sum(p.numel() for p in {id(p): p for p in trainer.policy.parameters()}.values()),
         device=device.type,
+        # torch._inductor imported by the end (a compiled CPU sweep imports it; so may the model's
+        # own modules, as Qwen2's do): its ~143 MiB are in the peak unless it came before the baseline
+        inductor_loaded="torch._inductor" in sys.modules,
     )
     if not ranks.active:
         return result

@@ -16,9 +16,13 @@ import torch
 BACKENDS = ("triton", "torch", "reference")
 
 # A compile costs 2-5 s once per process and dtype (benchmarks/NOTES.md, "The CPU loss against
-# torch.compile"): below 4M logits (16 MB in float32, a few milliseconds of eager work) a call
-# is too small for the saving to repay it within a short run, such as the demo's vocabulary of 15.
-COMPILE_MIN_ELEMENTS = 1 << 22
+# torch.compile") and stays resident: importing inductor and the first compiled kernels add
+# about 230 MiB to the process (143 + 84 MiB measured on CPU), which the eager chunks never
+# pay. Below 64M logits (256 MiB in float32) that is as much as the float32 copies a fused
+# call saves, so a step with the compiled sweep peaked above plain eager (the 100m preset of
+# `grpo-fast bench memory`: +75 MiB; NOTES, "Fused above eager"); the eager chunks there
+# cost a few milliseconds a call. Larger calls, such as a 151,936-token vocabulary's, repay it.
+COMPILE_MIN_ELEMENTS = 1 << 26
 
 
 def select_backend(tensor: torch.Tensor) -> str:

@@ -54,6 +54,19 @@ def _chunk_rows(N: int, V: int, itemsize: int, device: torch.device, chunk_size:
     return max(1, -(-N // n_chunks))  # equal chunks: no thin remainder that would run a slow matmul
 
 
+def fused_head_saves_memory(num_tokens: int, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the fused head can hold less than a plain LM head followed by ``token_logprobs``
+    for ``num_tokens`` rows of logits in ``dtype``, with LM-head weight [V, H]. Not when those
+    logits fit one default chunk: the fused head then holds that chunk as well and, from its
+    forward on, the float32 [V, H] weight gradient, which the plain head makes only in the
+    backward (the 100m preset of ``grpo-fast bench memory``: 15 MiB above eager). Where that
+    gradient is under 1 MiB (tiny models) the routes' peaks differ by less than a run's noise,
+    and the fused head is kept."""
+    V, H = weight.shape
+    one_chunk = num_tokens <= _chunk_rows(num_tokens, V, dtype.itemsize, weight.device, None)
+    return not one_chunk or V * H * 4 < 1 << 20
+
+
 def _chunks(N: int, rows: int):
     """Slices of consecutive token rows, ``rows`` at a time."""
     for r0 in range(0, N, rows):

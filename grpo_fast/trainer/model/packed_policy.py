@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from grpo_fast import fused_linear_token_logprobs, policy_loss, token_logprobs
-from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_with_tokens
+from grpo_fast.ops.fused_linear_grpo_loss import fused_head_saves_memory, fused_linear_loss_with_tokens
 from grpo_fast.ops.policy import LossInputs
 from grpo_fast.outputs import LossOutput
 from grpo_fast.packing import Packed, pack, packed_hidden, packed_logits, to_grid
@@ -88,7 +88,8 @@ class PackedPolicy(torch.nn.Module):
         ``packed.completion_cu_seqlens``): a :class:`PassOutput`, the loss being
         ``policy_loss`` of the packed log-probs, or with ``fused_linear`` the loss from the
         last hidden states [Nc, H] and the LM head (``fused_linear_grpo_loss``, never the
-        [Nc, V] logits). No padded grid either way.
+        [Nc, V] logits) where it saves memory (``fused_head_saves_memory``: not where the
+        logits fit one of its chunks). No padded grid either way.
 
         ``behaviour`` (with ``inputs``): the loss applies the sampling correction of these
         log-probs against the micro-batch's own as ``importance_weights``. The weights are the
@@ -97,9 +98,10 @@ class PackedPolicy(torch.nn.Module):
         more for them, without gradients). The correction comes back in the output.
         """
         config, correction = self.loss_config, None
+        head = self.policy.get_output_embeddings()
+        fused_linear = fused_linear and fused_head_saves_memory(packed.targets.numel(), head.weight, self.runtime.dtype)
         with self.runtime.autocast():
             if inputs is not None and fused_linear:
-                head = self.policy.get_output_embeddings()
                 hidden = packed_hidden(self.policy, packed)
                 if behaviour is not None:
                     with torch.no_grad():
