@@ -128,7 +128,7 @@ HEADLINES = {
     "fused_linear_cpu.json": fused_linear,
     "trl_cpu.json": trl_update,
     "trainer_cpu_engines_realistic.json": trainer_speed,
-    "memory_cpu_100m.json": grpo_vs_ppo,
+    "memory_cpu_qwen2.5-0.5b.json": grpo_vs_ppo,
     "async_cpu_realistic.json": async_speed,
 }
 

@@ -4,7 +4,7 @@ virtual environment with that machine's Triton 3.6 and transformers 5.17 (``_dev
 
 The real CUDA run gets one try in a 15-minute lease, so everything but the device is proved
 here: every stage runs its code paths (checks, timings, sweep, fused LM head, trainer step and
-its rows against TRL, the pytest-benchmark suite), the results fit the tool's 8 files, every
+its rows against TRL, the pytest-benchmark suite, GRPO against PPO in memory), the results fit the tool's 8 files, every
 check passes.
 """
 
@@ -60,7 +60,8 @@ def test_run_all_dry_run_passes_on_the_device_image(tmp_path):
     files = sorted(os.listdir(out))
     assert len(files) <= 8, files
     stages = json.loads((out / "stages.json").read_text())["stages"]
-    assert [s["result"] for s in stages] == ["ok"] * 7, stages
+    assert [s["result"] for s in stages] == ["ok"] * 8, stages
+    assert "memory" in [s["stage"] for s in stages], stages
     checks = json.loads((out / "kernels_check_dryrun.json").read_text())
     assert checks["all_checks_ok"] and len(checks["checks"]) > 20, checks
     assert checks["triton"].startswith("3.6"), checks["triton"]

@@ -103,6 +103,12 @@ fi
 bench_args+=(-k "not compiled")
 stage "pytest-benchmark" 50 python3 -m pytest benchmarks/ --benchmark-only -q -p no:cacheprovider \
     --benchmark-json "$OUT/pytest_benchmark${DRY:+_dryrun}.json" "${bench_args[@]}"
+# GRPO against PPO in memory at Qwen2.5-0.5B's shape (all 24 layers, vocabulary 151936; PPO
+# about 17 GB): each configuration in a fresh process, its peak torch.cuda.max_memory_allocated.
+# The table and every configuration's JSON line go to run_all.log (no file: 8 at most).
+if [ -n "$DRY" ]; then memory_args=(--preset tiny --device cpu --repeats 1); else memory_args=(--preset qwen2.5-0.5b); fi
+stage "memory" 90 python3 -m grpo_fast.bench.memory "${memory_args[@]}" \
+    --configs ppo grpo_eager grpo_fused grpo_fused_linear
 # When the image has vLLM: the demo trained with --generator vllm (rollouts, in-memory weight sync,
 # sampling correction); its summary and last metrics line go to run_all.log (no file: 8 at most).
 if [ -z "$DRY" ] && python3 -c "import vllm" >/dev/null 2>&1; then

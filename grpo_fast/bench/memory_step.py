@@ -149,9 +149,6 @@ def worker(spec: dict) -> dict:
         rest_bytes=int(peak) - sum(states.values()),
         num_params=sum(p.numel() for p in {id(p): p for p in trainer.policy.parameters()}.values()),
         device=device.type,
-        # torch._inductor imported by the end (a compiled CPU sweep imports it; so may the model's
-        # own modules, as Qwen2's do): its ~143 MiB are in the peak unless it came before the baseline
-        inductor_loaded="torch._inductor" in sys.modules,
     )
     if not ranks.active:
         return result

@@ -16,12 +16,12 @@ import torch
 BACKENDS = ("triton", "torch", "reference")
 
 # A compile costs 2-5 s once per process and dtype (benchmarks/NOTES.md, "The CPU loss against
-# torch.compile") and stays resident: importing inductor and the first compiled kernels add
-# about 230 MiB to the process (143 + 84 MiB measured on CPU), which the eager chunks never
-# pay. Below 64M logits (256 MiB in float32) that is as much as the float32 copies a fused
-# call saves, so a step with the compiled sweep peaked above plain eager (the 100m preset of
-# `grpo-fast bench memory`: +75 MiB; NOTES, "Fused above eager"); the eager chunks there
-# cost a few milliseconds a call. Larger calls, such as a 151,936-token vocabulary's, repay it.
+# torch.compile") and stays resident: the compiled kernels and their state add 75-85 MiB to
+# the process (and importing inductor 143 MiB more where nothing else has), which the eager
+# chunks never pay. Below 64M logits (256 MiB in float32) that is as much as the float32
+# copies a fused call saves: the trainer's step with the compiled sweep peaked 75 MiB above
+# plain eager at the 100m preset of `grpo-fast bench memory` (benchmarks/NOTES.md, issue 40),
+# where the eager chunks cost a few milliseconds a call. A 151,936-token vocabulary repays it.
 COMPILE_MIN_ELEMENTS = 1 << 26
 
 
