@@ -19,8 +19,8 @@ Under torchrun each rank asks, after every step, whether any rank was signalled 
 of a flag), so a signal to one rank, or to the launcher (which passes SIGTERM on to every rank),
 makes every rank save the same step.
 
-Non-finite numbers. A step whose loss or gradient norm is NaN or infinite is skipped on the
-device (``update/optimization.py``) and counted as ``nonfinite_steps`` in its log line;
+Non-finite numbers. A step whose loss or gradient norm is NaN or infinite is skipped
+(``update/optimization.py``) and counted as ``nonfinite_steps`` in its log line;
 :class:`NonFiniteGuard` stops the run after ``max_nonfinite_steps`` such steps in a row. A
 checkpoint never holds a non-finite weight (``checkpoint.py`` refuses to write one).
 """

@@ -53,6 +53,7 @@ def run(trainer) -> list:
                     raise preemption.stop(saved)
     finally:
         trainer.close()
+        checkpoint.wait_for_manifests()
         bar.close()
         tracker.close()
     trainer.save_model()
