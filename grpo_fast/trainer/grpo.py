@@ -279,12 +279,14 @@ class GRPOTrainer:
         its bad file), or none, and the run starts from step 0 (a job requeued forever)."""
         ranks = self.runtime.ranks
         directory = self.output_dir
-        latest = checkpoint.latest_valid_checkpoint if auto else checkpoint.latest_checkpoint
-        path = ranks.broadcast(path or latest(directory))
+        picked = auto and path is None  # rank 0 picks one that passed its manifest's check
+        if path is None:
+            latest = checkpoint.latest_valid_checkpoint if auto else checkpoint.latest_checkpoint
+            path = ranks.broadcast(latest(directory) if ranks.is_main else None)
         if path is None and not auto:
             raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(directory, 'checkpoints')!r}")
         if path is not None:
-            checkpoint.load_trainer(self, path)
+            checkpoint.load_trainer(self, path, verified=picked)
             self.source.publish(self.policy, self.version)
         if ranks.is_main and os.path.isdir(directory):
             run_log.truncate_metrics(directory, self.step)

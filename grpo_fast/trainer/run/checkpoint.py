@@ -299,18 +299,33 @@ def save_checkpoint(output_dir: str, state: dict, model, optimizer, ranks, keep:
     return path
 
 
-def load_checkpoint(path: str, model, optimizer, ranks, more: dict | None = None) -> dict:
+def verify_on_rank_0(path: str, ranks) -> None:
+    """:func:`verify_checkpoint` by rank 0 alone (one pass over the files, not one per rank);
+    its :class:`CheckpointError` is raised on every rank."""
+    error = None
+    if ranks.is_main:
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            error = str(exc)
+    error = ranks.broadcast(error)
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def load_checkpoint(path: str, model, optimizer, ranks, more: dict | None = None, verified: bool = False) -> dict:
     """Restores the trainable weights of ``model`` and the states of ``optimizer`` (resharded
     to this job), those of each ``{name: (model, optimizer)}`` in ``more``, and this rank's RNG
     states (a rank the checkpoint did not have keeps its own seeding: copying another rank's
     would make the two draw alike); returns the trainer state (the REQUIRED_KEYS). A
-    truncated, corrupt or incomplete checkpoint (its manifest checked first: :func:`verify_checkpoint`),
-    or another model's, is a :class:`CheckpointError`."""
+    truncated, corrupt or incomplete checkpoint (its manifest checked first by rank 0, unless the
+    caller has: ``verified``), or another model's, is a :class:`CheckpointError`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    verify_checkpoint(path)
+    if not verified:
+        verify_on_rank_0(path, ranks)
     try:
         state = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=False)
         stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -393,12 +408,13 @@ def save_trainer(trainer) -> str:
     return save_checkpoint(trainer.output_dir, state, trainer.policy, trainer.optimizer, ranks, keep=keep, more=more)
 
 
-def load_trainer(trainer, path: str) -> dict:
+def load_trainer(trainer, path: str, verified: bool = False) -> dict:
     """Restores what :func:`save_trainer` wrote into ``trainer`` (weights, optimizers, LR
-    schedules, RNG states, step and data position); returns the checkpoint's state."""
+    schedules, RNG states, step and data position); returns the checkpoint's state.
+    ``verified``: its manifest is already checked (:func:`load_checkpoint`)."""
     parts = trainer.trained_parts()
     more = {name: part[:2] for name, part in parts.items()}
-    state = load_checkpoint(path, trainer.policy, trainer.optimizer, trainer.runtime.ranks, more=more)
+    state = load_checkpoint(path, trainer.policy, trainer.optimizer, trainer.runtime.ranks, more, verified)
     load_schedule_state(trainer.scheduler, state["scheduler"])
     for name, (_, _, scheduler) in parts.items():
         load_schedule_state(scheduler, state[f"{name}_scheduler"])

@@ -71,6 +71,7 @@ class Preemption:
         config = trainer.config
         self.trainer, self.grace = trainer, config.preemption_grace_s
         self.signals = [signal.Signals[name] for name in config.preemption_signals]
+        self.optimizers = [trainer.optimizer, *(part[1] for part in trainer.trained_parts().values())]
         self.received = 0  # the first preemption signal this process took (0: none)
         self.dropped = False
         self._agreed = 0  # the largest signal number any rank took, after requested()
@@ -87,9 +88,7 @@ class Preemption:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         self._previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._on_grace_end)
-        trainer = self.trainer
-        for optimizer in [trainer.optimizer, *(part[1] for part in trainer.trained_parts().values())]:
-            self._hooks.append(optimizer.register_step_pre_hook(self._on_optimizer_step))
+        self._hooks = [optimizer.register_step_pre_hook(self._on_optimizer_step) for optimizer in self.optimizers]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -130,7 +129,7 @@ class Preemption:
         try:
             return trainer.run_step()
         except _DropStep:
-            for optimizer in [trainer.optimizer, *(part[1] for part in trainer.trained_parts().values())]:
+            for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             trainer.data_position = position
             checkpoint.set_rng_state(rng)

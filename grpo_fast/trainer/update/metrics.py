@@ -25,7 +25,6 @@ def read_metrics(passes: list, ranks, device: torch.device) -> list:
         if not torch.is_tensor(value):
             values = [0.0 if value is None else float(value), float(value is None)]
             return torch.tensor(values, dtype=torch.float64, device=device)
-        value = value.full_tensor() if hasattr(value, "full_tensor") else value  # FSDP2's gradient norm
         return torch.nn.functional.pad(value.detach().to(device, torch.float64).reshape(1), (0, 1))
 
     table = torch.stack([entry(passes[i][key]) for i, key in keys])  # [entries, 2]

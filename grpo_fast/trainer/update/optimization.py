@@ -61,8 +61,8 @@ def load_schedule_state(scheduler, state: dict) -> None:
 
 def clipped_step(optimizer, scheduler, max_grad_norm: float | None, loss: torch.Tensor | None = None) -> dict:
     """Clips the gradient norm of the optimizer's parameters (None: no clipping), steps the
-    optimizer and the schedule, clears the gradients. Returns ``grad_norm`` and
-    ``nonfinite_steps`` (1 when the step was skipped), device tensors.
+    optimizer and the schedule, clears the gradients. Returns ``grad_norm`` (whole: FSDP2's
+    DTensor gathered) and ``nonfinite_steps`` (1 when the step was skipped), device tensors.
 
     A gradient norm or ``loss`` (every rank's, summed: every rank decides alike) that is NaN
     or infinite skips the update, leaving the weights, moments and step count as they were; it
@@ -71,8 +71,9 @@ def clipped_step(optimizer, scheduler, max_grad_norm: float | None, loss: torch.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_grad_norm is None else max_grad_norm)
-    norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2's is a DTensor
-    bad = ~torch.isfinite(norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2's is a DTensor
+        grad_norm = grad_norm.full_tensor()
+    bad = ~torch.isfinite(grad_norm)
     if loss is not None:
         bad = bad | ~torch.isfinite(loss.to(bad.device))
     if not bool(bad):
