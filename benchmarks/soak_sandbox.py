@@ -41,7 +41,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 
@@ -164,10 +163,11 @@ def descendants(pid: int) -> list[int]:
 
 def resources(programs: int, start: float, cgroup_parent: str | None) -> dict:
     """One sample of what the worker holds (see the module docstring)."""
-    # A tool call's thread hands its answer over just before it ends: let it end (a thread
-    # that a call really left behind is still there a second later).
+    # A tool call's thread hands its answer over just before it ends, and leaves Python's
+    # thread table before the kernel's: wait for the kernel's count, which the sample reads
+    # (a thread that a call really left behind is still there a second later).
     settle = time.monotonic() + 1.0
-    while threading.active_count() > 1 and time.monotonic() < settle:
+    while len(os.listdir("/proc/self/task")) > 1 and time.monotonic() < settle:
         time.sleep(0.01)
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
