@@ -7,6 +7,7 @@ top of the first module pytest loads. ``GRPO_FAST_TEST_CUDA=1`` keeps real CUDA 
 import contextlib
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -172,6 +173,25 @@ def without_timings(rows: list) -> list:
     from grpo_fast.trainer.run.run_log import TIMING_KEYS
 
     return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in rows]
+
+
+def signal_in_step(trainer, step: int, signum=signal.SIGTERM) -> None:
+    """``trainer`` signals its own process as it asks its rollout source for step ``step``'s
+    batch (a scheduler's preemption arriving mid-step), whatever the source and engine."""
+    source = trainer.source
+    next_batch = source.next
+
+    def next(position, version):
+        if trainer.step + 1 == step:
+            os.kill(os.getpid(), signum)
+        return next_batch(position, version)
+
+    source.next = next
+
+
+def same_weights(one, other) -> bool:
+    """The two trainers' policies hold bit-equal weights."""
+    return all(torch.equal(p, q) for p, q in zip(one.policy.state_dict().values(), other.policy.state_dict().values()))
 
 
 def assert_rows_close(rows: list, expected: list, rel: float) -> None:

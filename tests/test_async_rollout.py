@@ -28,6 +28,7 @@ from conftest import (
     torchrun_command,
     trl_sampling_correction,
     wait_until,
+    without_timings,
 )
 
 from grpo_fast import reference
@@ -256,7 +257,8 @@ def test_resume_samples_after_the_trained_steps_and_a_killed_worker_stops_the_tr
     """Batches in flight when a checkpoint is written are not in it: a resumed run samples
     them again, from the data position after the last trained batch. Its worker SIGKILLed, the
     trainer raises within seconds (a batch the worker finished before dying may still be
-    trained on)."""
+    trained on), and ``resume(auto=True)`` picks the run up again from its checkpoint, with
+    the step the killed run had trained."""
     trainer = GRPOTrainer(small_config(tmp_path, max_staleness=1, steps=2))
     trainer.train()
     assert trainer.source.process is None  # train() stopped its worker
@@ -273,6 +275,12 @@ def test_resume_samples_after_the_trained_steps_and_a_killed_worker_stops_the_tr
         assert time.perf_counter() - killed < 10
     finally:
         resumed.close()
+    again = GRPOTrainer(small_config(tmp_path, max_staleness=1, steps=50))
+    try:
+        assert again.resume(auto=True) == 2
+        assert without_timings([again.train_step()]) == without_timings([metrics])
+    finally:
+        again.close()
 
 
 def gone(pid: int) -> bool:

@@ -261,6 +261,46 @@ def test_exit_before_or_during_the_tests_scores_only_what_passed(exit_call):
     assert score(during, ["assert g() == 1", "assert f() == 1", "assert g() == 1"]) == pytest.approx(1 / 3)
 
 
+def test_a_sandbox_killed_from_outside_scores_zero_at_once():
+    """The sandbox's process SIGKILLed by someone else (the OOM killer, an operator) while its
+    program sleeps: the sample scores 0 as soon as it dies, not after the program's time, and
+    code_reward does not raise: a program can bring on its own death, so a death is never the
+    run's error."""
+    import os
+    import signal
+
+    def sandboxes() -> list:  # this process's children that run the sandbox's bootstrap
+        found = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rpartition(")")[2].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if parent == os.getpid() and b"_boot.main()" in f.read():
+                        found.append(int(entry))
+            except (OSError, ValueError):
+                continue
+        return found
+
+    killed = []
+
+    def kill_the_sandbox():
+        deadline = time.monotonic() + 10
+        while not killed and time.monotonic() < deadline:
+            for pid in sandboxes():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_sandbox)
+    killer.start()
+    program = "import time\ntime.sleep(30)\ndef add(a, b):\n    return a + b\n"
+    assert code_reward(["p"], [program], tests=[["assert add(1, 2) == 3"]]) == [0.0]
+    done = time.monotonic()
+    killer.join()
+    assert killed and done - killed[0] < 5
+
+
 def test_syntax_error_scores_zero():
     assert score("def f(:\n    return 1\n", ["assert True"]) == 0.0
     assert score("def f(:\n", [{"input": "", "output": ""}]) == 0.0

@@ -152,7 +152,8 @@ def test_preemption_saves_and_resume_auto_continues_bit_exact(tmp_path, grace):
     """SIGTERM in step 5's rewards. With the grace time ahead, step 5 finishes and is saved;
     past it (the rewards take 3 s, the grace 0.2 s), step 5 is dropped and step 4's state is
     saved. Either way the run raises Preempted (status 75) with its source closed, the previous
-    SIGTERM handler is back, and resume('auto') ends with the uninterrupted run's metrics."""
+    SIGTERM handler is back, and resume('auto') ends with the uninterrupted run's metrics
+    and weights."""
     options = dict(steps=8, save_every=3, keep_checkpoints=3, lr_schedule="cosine", preemption_grace_s=grace)
     full = GRPOTrainer(small_config(tmp_path, output_dir=str(tmp_path / "full"), **options)).train()
     previous = signal.getsignal(signal.SIGTERM)
@@ -177,6 +178,41 @@ def test_preemption_saves_and_resume_auto_continues_bit_exact(tmp_path, grace):
     assert resumed.resume(auto=True) == step
     resumed.train()
     assert without_timings(read_metrics(cut)) == without_timings(full)
+    assert same_final_weights(cut, str(tmp_path / "full"))
+
+
+def test_a_reward_whose_process_dies_stops_the_run_and_resume_auto_continues(tmp_path):
+    """A reward function whose judge process is SIGKILLed in step 3 (the OOM killer's way):
+    the run stops at once with a RewardError naming the function and the death, the
+    checkpoint of step 2 intact and the last one; ``resume(auto=True)`` continues from it and
+    ends with the metrics and weights of the run left alone."""
+    from conftest import same_weights, without_timings
+
+    from grpo_fast.trainer import RewardError
+
+    options = dict(steps=4, save_every=2, keep_checkpoints=2)
+    whole = GRPOTrainer(small_config(tmp_path, output_dir=str(tmp_path / "full"), **options))
+    full = whole.train()
+    calls = []
+
+    @functools.wraps(arithmetic_reward)
+    def judged(prompts, completions, **columns):
+        calls.append(1)
+        if len(calls) == 3:
+            subprocess.run([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"], check=True)
+        return arithmetic_reward(prompts, completions, **columns)
+
+    cut = str(tmp_path / "cut")
+    start = time.perf_counter()
+    with pytest.raises(RewardError, match=r"reward function 'arithmetic_reward' raised CalledProcessError: .* died with"):
+        GRPOTrainer(small_config(tmp_path, output_dir=cut, **options), reward_funcs=[judged]).train()
+    assert time.perf_counter() - start < 30
+    assert ckpt.latest_valid_checkpoint(cut) == ckpt.checkpoint_path(cut, 2)
+    resumed = GRPOTrainer(small_config(tmp_path, output_dir=cut, **options))
+    assert resumed.resume(auto=True) == 2
+    resumed.train()
+    assert without_timings(read_metrics(cut)) == without_timings(full)
+    assert same_weights(resumed, whole)
 
 
 def test_resume_auto_starts_fresh_and_skips_a_corrupted_checkpoint(tmp_path, caplog):
@@ -234,9 +270,9 @@ def test_cli_preempted_exits_75_and_resume_auto_finishes_as_the_uninterrupted_ru
     checkpoint of the last step its metrics logged; the asynchronous worker, signalled with
     the whole process group (as SLURM signals a job step), ignores it and is stopped by the
     trainer. ``--resume auto`` then continues bit for bit as from a periodic checkpoint of that
-    step: the synchronous run ends with the uninterrupted run's metrics; the asynchronous one
-    with those of the uninterrupted run resumed from its checkpoint of that step (batches in
-    flight at a checkpoint are sampled again, at the newer weights)."""
+    step: the synchronous run ends with the uninterrupted run's metrics and final weights; the
+    asynchronous one with those of the uninterrupted run resumed from its checkpoint of that
+    step (batches in flight at a checkpoint are sampled again, at the newer weights)."""
     from grpo_fast.cli import main
 
     periodic, cut = str(tmp_path / "periodic"), str(tmp_path / "cut")
@@ -271,6 +307,15 @@ def test_cli_preempted_exits_75_and_resume_auto_finishes_as_the_uninterrupted_ru
         assert without_timings(read_metrics(periodic)[:step]) == without_timings(truth[:step])
         truth = read_metrics(periodic)
     assert without_timings(read_metrics(cut)) == without_timings(truth)
+    assert same_final_weights(cut, periodic)
+
+
+def same_final_weights(run: str, other: str) -> bool:
+    """The two runs' final models (``final/model.safetensors``) hold bit-equal weights."""
+    from safetensors.torch import load_file
+
+    one, two = (load_file(os.path.join(path, "final", "model.safetensors")) for path in (run, other))
+    return one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
 
 
 def test_torchrun_preempted_by_one_rank_or_the_launcher_saves_one_step_and_resumes_bit_exact(tmp_path):
@@ -278,7 +323,8 @@ def test_torchrun_preempted_by_one_rank_or_the_launcher_saves_one_step_and_resum
     ranks save the same step and exit 75 (torchrun then exits 1, reporting the ranks' 75);
     resumed with ``--resume auto``, SIGTERM to the launcher (which passes it to each rank)
     does the same again. No rank is left running, no partial folder is left, and the last
-    ``--resume auto`` ends with the metrics of the 2-rank run left alone, bit for bit."""
+    ``--resume auto`` ends with the metrics and final weights of the 2-rank run left alone, bit
+    for bit."""
     import re
 
     from conftest import alive, start_child, torchrun_command, wait_until, worker_pids
@@ -315,3 +361,4 @@ def test_torchrun_preempted_by_one_rank_or_the_launcher_saves_one_step_and_resum
             pass
     assert last.returncode == alone.returncode == 0, (last.stderr[-2000:], alone.stderr[-2000:])
     assert without_timings(read_metrics(cut)) == without_timings(read_metrics(full))
+    assert same_final_weights(cut, full)

@@ -118,22 +118,22 @@ def short_warm_start(monkeypatch):
     monkeypatch.setattr(tool_arithmetic, "warm_start", functools.partial(tool_arithmetic.warm_start, steps=30))
 
 
-def test_a_tool_run_logs_its_turns_and_resumes_exactly(tmp_path, short_warm_start):
+def test_a_tool_run_logs_its_turns_and_resumes_after_preemption_exactly(tmp_path, short_warm_start):
     """The tool task with the calculator: the log line has TRL's tools/* metrics,
-    completions.jsonl each turn with its role, and a run cut after step 2 and resumed logs
-    steps 3 and 4 exactly as the uninterrupted run (timings aside)."""
-    import shutil
-
-    from conftest import without_timings
+    completions.jsonl each turn with its role, and a run preempted by SIGTERM in step 3 (no
+    periodic checkpoint at 3) saves step 3 and, resumed with ``resume(auto=True)``, ends with the
+    uninterrupted run's metrics (timings aside) and weights, bit for bit."""
+    from conftest import same_weights, signal_in_step, without_timings
 
     from grpo_fast.trainer import GRPOTrainer
-    from grpo_fast.trainer.run import checkpoint as ckpt
+    from grpo_fast.trainer.run import faults
     from grpo_fast.trainer.run.run_log import read_completions, read_metrics
 
     def config(name):
         return GRPOConfig.from_dict(dict(TOOL_RUN, steps=4, save_every=2, output_dir=str(tmp_path / name)))
 
-    GRPOTrainer(config("full")).train()
+    whole = GRPOTrainer(config("full"))
+    whole.train()
     full = read_metrics(str(tmp_path / "full"))
     assert all(0 < m["tools/call_frequency"] and m["tools/turns_mean"] >= 1 for m in full)
     assert {"tools/failure_frequency", "tools/seconds"} <= set(full[0])
@@ -141,12 +141,16 @@ def test_a_tool_run_logs_its_turns_and_resumes_exactly(tmp_path, short_warm_star
     assert [m["role"] for m in trajectory][-1] == "assistant" and {"role", "content"} <= set(trajectory[0])
     assert any(m["role"] == "tool" for row in read_completions(str(tmp_path / "full")) for m in row["completion"])
 
-    shutil.copytree(tmp_path / "full", tmp_path / "cut")
-    shutil.rmtree(ckpt.checkpoint_path(str(tmp_path / "cut"), 4))
+    cut = GRPOTrainer(config("cut"))
+    signal_in_step(cut, 3)
+    with pytest.raises(faults.Preempted) as stop:
+        cut.train()
+    assert stop.value.step == 3 and len(read_metrics(str(tmp_path / "cut"))) == 3
     resumed = GRPOTrainer(config("cut"))
-    assert resumed.resume() == 2
+    assert resumed.resume(auto=True) == 3
     resumed.train()
     assert without_timings(read_metrics(str(tmp_path / "cut"))) == without_timings(full)
+    assert same_weights(resumed, whole)
 
 
 def test_tools_run_in_the_rollout_worker(tmp_path, short_warm_start):

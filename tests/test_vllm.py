@@ -149,18 +149,25 @@ def test_bf16_engine_log_probs_within_the_measured_bound():
 
 
 @pytest.mark.slow
-def test_train_learns_the_demo_and_resumes_exactly(tmp_path):
+def test_train_learns_the_demo_and_resumes_after_preemption_exactly(tmp_path):
     """``grpo-fast train --generator vllm`` raises the demo's reward over 40 steps (by the bound
     the sampler's runs meet: test_distributed's 40-step run, test_cli's demo), logs TRL's
-    sampling metrics and the sync time, and a run resumed from a checkpoint (step 35: the
-    engine starts from the initial weights and syncs the restored ones) repeats the
-    uninterrupted one."""
-    out = str(tmp_path / "vllm")
+    sampling metrics and the sync time. A run resumed from its checkpoint of step 35 (the engine
+    starts from the initial weights and syncs the restored ones) and preempted by SIGTERM in step
+    37 saves step 37 with its engine closed; ``resume(auto=True)`` then ends with the uninterrupted
+    run's metrics and weights."""
+    import shutil
 
-    def config():
-        return GRPOConfig(generator="vllm", steps=40, save_every=5, progress=False, output_dir=out)
+    from conftest import same_weights, signal_in_step
 
-    trainer = GRPOTrainer(config())
+    from grpo_fast.trainer.run import faults
+
+    out, cut = str(tmp_path / "vllm"), str(tmp_path / "cut")
+
+    def config(output_dir):
+        return GRPOConfig(generator="vllm", steps=40, save_every=5, progress=False, output_dir=output_dir)
+
+    trainer = GRPOTrainer(config(out))
     trainer.train()
     vllm = read_metrics(out)
     first, last = tenth_means(vllm, "reward_mean")
@@ -173,14 +180,43 @@ def test_train_learns_the_demo_and_resumes_exactly(tmp_path):
     syncs = [m["sync_time_s"] for m in vllm[1:]]
     assert all(0 < s < 5 for s in syncs)  # one sync a step, bounded over the run
 
-    resumed = GRPOTrainer(config())
-    assert resumed.resume(ckpt.checkpoint_path(out, 35)) == 35
+    shutil.copytree(out, cut)
+    shutil.rmtree(ckpt.checkpoint_path(cut, 40))
+    preempted = GRPOTrainer(config(cut))
+    assert preempted.resume(auto=True) == 35
+    signal_in_step(preempted, 37)
+    with pytest.raises(faults.Preempted) as stop:
+        preempted.train()
+    assert stop.value.step == 37 and ckpt.latest_checkpoint(cut) == ckpt.checkpoint_path(cut, 37)
+    assert preempted.source.engine.llm is None  # closed before the run raised
+    resumed = GRPOTrainer(config(cut))
+    assert resumed.resume(auto=True) == 37
     history = resumed.train()
 
     def without_timing(rows):
         return [{k: v for k, v in m.items() if k not in TIMING_KEYS and not k.startswith("sampling/")} for m in rows]
 
     assert without_timing(history[35:]) == without_timing(vllm[35:])
+    assert same_weights(resumed, trainer)
+
+
+def test_an_engine_failure_stops_the_rollout_naming_the_engine(engine, monkeypatch):
+    """vLLM's engine raising in the middle of a rollout (its core dies in this process) is an
+    EngineError naming the engine and the error, at once; a refused request stays a ValueError."""
+    from grpo_fast.trainer.rollout.samples import EngineError, rollout
+    from grpo_fast.tasks.arithmetic import arithmetic_reward
+
+    rows = build_dataset(2, seed=1)
+
+    def dead(*args, **kwargs):
+        raise RuntimeError("EngineCore encountered an issue")
+
+    monkeypatch.setattr(engine.llm, "generate", dead)
+    with pytest.raises(EngineError, match=r"the VLLMGenerator engine failed while sampling: RuntimeError: EngineCore"):
+        rollout(engine, rows, [0, 1], [arithmetic_reward], group_size=2)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="keys must give one key per prompt"):
+        rollout(engine, rows, [0], [arithmetic_reward], group_size=2)
 
 
 @pytest.mark.parametrize(

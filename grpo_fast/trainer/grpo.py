@@ -311,7 +311,10 @@ class GRPOTrainer:
         return loop.run(self)
 
     def close(self) -> None:
-        """Stops the rollout worker, if one runs (``train()`` does on its way out, error or not;
-        a caller of ``train_step()`` does when done). A checkpoint resumes after the trained
-        steps: the batches in flight are sampled again."""
+        """Stops the rollout worker, if one runs, and the engines' cores (vllm's, the
+        evaluation's too): ``train()`` does on its way out, error or not; a caller of
+        ``train_step()`` does when done. A checkpoint resumes after the trained steps: the
+        batches in flight are sampled again."""
         self.source.close()
+        if self.evaluator is not None:
+            self.evaluator.generator.close()

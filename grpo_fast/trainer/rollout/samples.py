@@ -31,6 +31,11 @@ class RewardError(RuntimeError):
     """A reward function raised or returned something that is not one score per completion."""
 
 
+class EngineError(RuntimeError):
+    """The generation engine failed while sampling (vLLM's engine core raised, for one); the
+    message names the engine and its error, the original is the cause."""
+
+
 @dataclass
 class Samples:
     """One batch of samples: N = len(prompts) rows, the samples of a prompt adjacent."""
@@ -184,7 +189,12 @@ def rollout(
     prompts = [row["prompt"] for row in rows for _ in range(group_size)]
     columns = {key: [row[key] for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
     loop = None if turns is None else turns(len(prompts))
-    out = generator.generate([row["prompt"] for row in rows], group_size, keys, **({"turns": loop} if loop else {}))
+    try:
+        out = generator.generate([row["prompt"] for row in rows], group_size, keys, **({"turns": loop} if loop else {}))
+    except (ValueError, TypeError):
+        raise  # a request the engine refuses, named by its check
+    except Exception as exc:
+        raise EngineError(f"the {type(generator).__name__} engine failed while sampling: {type(exc).__name__}: {exc}") from exc
     completions, counts, scored = out.completions, None, columns
     if loop is not None:
         C = out.completion_mask.shape[1]

@@ -40,7 +40,8 @@ class RolloutSource:
         return {}
 
     def close(self) -> None:
-        """Stops what the source runs (a worker process); a source may be asked again after."""
+        """Stops what the source runs (a worker process, an engine's core); a source may be asked
+        again after."""
 
 
 class InProcessRollouts(RolloutSource):
@@ -97,3 +98,6 @@ class InProcessRollouts(RolloutSource):
 
     def metrics(self) -> dict:
         return {**self.engine.metrics(), **(self.tool_loop.metrics() if self.tool_loop else {})}
+
+    def close(self) -> None:
+        self.engine.close()

@@ -133,6 +133,10 @@ class Generator:
         """The engine's share of the step's log line (timings), reset on read."""
         return {}
 
+    def close(self) -> None:
+        """Stops what the engine runs apart from the policy (vllm: its engine core, its memory);
+        the next rollout starts it again."""
+
 
 def make_generator(name: str, model, tokenizer, settings: EngineSettings, runtime: Runtime | None = None):
     """The engine ``name`` (a key of ``choices.ENGINES``) for ``model``, sampling with

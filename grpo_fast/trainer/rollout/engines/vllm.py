@@ -143,15 +143,25 @@ class VLLMGenerator(Generator):
     runs_policy = False
 
     def __init__(self, model, tokenizer, settings, runtime=None):
-        vllm = import_vllm()
+        import_vllm()
         super().__init__(model, tokenizer, settings, runtime)
         self.device = next(model.parameters()).device
         check_model(model, settings, self.device)
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
-        dtype = torch.bfloat16 if self.runtime.bf16 else next(model.parameters()).dtype
-        base, cpu = base_model(model), self.device.type == "cpu"
         self.sync_time_s, self.syncs = 0.0, 0
+        # the version of the weights the engine holds, and the newest published (it starts
+        # from the policy as it is: version 0, or a resumed trainer's, which publishes it)
+        self.llm, self.loaded, self.published = None, None, 0
+        self._start()
+        distributed_module.before_shutdown(self._shut_down)
+
+    def _start(self) -> None:
+        """Starts the engine from the policy's weights as they are (the newest published)."""
+        vllm = import_vllm()
+        settings = self.settings
+        dtype = torch.bfloat16 if self.runtime.bf16 else next(self.model.parameters()).dtype
+        base, cpu = base_model(self.model), self.device.type == "cpu"
         threads = torch.get_num_threads()  # vLLM sets its own for serving; the trainer keeps the caller's
         with self._weights_folder() as source:
             # Under torchrun every rank runs its own engine in the job's process group. (A single
@@ -163,7 +173,7 @@ class VLLMGenerator(Generator):
                 skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer decodes
                 dtype=dtype,
                 seed=settings.seed,
-                max_model_len=max_model_len(model.config, settings),
+                max_model_len=max_model_len(self.model.config, settings),
                 enforce_eager=settings.vllm_enforce_eager,
                 enable_prefix_caching=settings.vllm_prefix_cache,
                 gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
@@ -173,10 +183,7 @@ class VLLMGenerator(Generator):
                 distributed_executor_backend="external_launcher" if distributed else None,
             )
         torch.set_num_threads(threads)
-        distributed_module.before_shutdown(self.close)
-        # the version of the weights the engine holds, and the newest published (it starts
-        # from the policy as it is: version 0, or a resumed trainer's, which publishes it)
-        self.loaded = self.published = 0
+        self.loaded = self.published
         self._sleep()
 
     def _sleep(self) -> None:
@@ -222,6 +229,8 @@ class VLLMGenerator(Generator):
         """Pushes the policy's weights into the engine if a newer version was published than
         it holds (or it dropped its weights asleep); returns whether it did. Its time
         accumulates in ``sync_time_s``."""
+        if self.llm is None:  # closed: start again, from the weights as they are now
+            self._start()
         if self.loaded == self.published:
             return False
         start = time.perf_counter()
@@ -236,8 +245,16 @@ class VLLMGenerator(Generator):
         return True
 
     def close(self) -> None:
-        """Shuts the engine down, its own process groups included (again: a no-op)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Shuts the engine down (again: a no-op); the next rollout starts it again. Under
+        torchrun the engine's shutdown would end the job's process group, which it shares:
+        there the engine stops at the job's end (``distributed.shutdown``)."""
+        if not launched_by_torchrun():
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
 
     def metrics(self) -> dict:
         """The engine's share of the step's log line, reset on read: weight-sync time."""
