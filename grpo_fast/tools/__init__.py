@@ -13,12 +13,23 @@ Importing this package loads neither torch nor transformers: the command line va
 configuration before torch loads. The built-in tools are imported only when picked.
 """
 
-from grpo_fast.tools.calls import ToolCall, ToolResult, error_text, parse_tool_calls, run_tool_calls, truncate_middle
+from grpo_fast.tools.calls import (
+    Outcome,
+    ToolCall,
+    ToolResult,
+    error_text,
+    parse_tool_calls,
+    run_concurrently,
+    run_tool_calls,
+    truncate_middle,
+)
 from grpo_fast.tools.registry import TOOLS, Tool, resolve_tools
-from grpo_fast.tools.template import ToolTemplate
+from grpo_fast.tools.template import ChatTemplate, ToolTemplate
 
 __all__ = [
     "TOOLS",
+    "ChatTemplate",
+    "Outcome",
     "Tool",
     "ToolCall",
     "ToolResult",
@@ -26,6 +37,7 @@ __all__ = [
     "error_text",
     "parse_tool_calls",
     "resolve_tools",
+    "run_concurrently",
     "run_tool_calls",
     "truncate_middle",
 ]

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,7 @@ def run_tool_calls(
     *,
     timeout_s: float = 10.0,
     max_workers: int | None = None,
+    tables: list | None = None,
 ) -> list[ToolResult]:
     """Run a batch of calls in parallel; one ToolResult per call, in the same order. Never raises for the calls.
 
@@ -234,35 +236,70 @@ def run_tool_calls(
                  to 32. A tool with `max_concurrency` (the python tool: one sandbox per core) is
                  further held to that many running calls in the whole process; a call waiting
                  for one of its slots fails once none has freed up for 2 * timeout_s (hung calls).
+    tables:      instead of `tools`, one {name: Tool} per call (None for `tools`): each
+                 episode's own tools, bound to its environment (`tools` is then ignored).
     A result is the tool's return value as text (a str as is, anything else as JSON, or str()
     when it is not JSON-serialisable), or `{"error": ...}` with failed=True for: a malformed call,
     a tool name the model invented (the error lists the tools), arguments the function does not
     accept, an exception in the tool, a timeout.
     """
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"run_tool_calls: timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    if max_workers is not None and (
-        isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1
-    ):
-        raise ValueError(f"run_tool_calls: max_workers must be a positive int or None, got {max_workers!r}")
-    table = _tool_table(tools)
     calls = list(calls)
+    if tables is not None and len(tables) != len(calls):
+        raise ValueError(f"run_tool_calls: tables must give one table per call ({len(calls)}), got {len(tables)}")
+    table = _tool_table(tools) if tables is None else None
     for call in calls:
         if not isinstance(call, ToolCall):
             raise TypeError(f"run_tool_calls: calls must be ToolCall objects (see parse_tool_calls), got {call!r}")
 
     results: list[ToolResult | None] = [None] * len(calls)
-    jobs = []  # (index, tool, arguments) of the calls that really run
+    jobs, indices = [], []  # the calls that really run: (tool, arguments), and their places
     for i, call in enumerate(calls):
         name = call.name if call.name is not None else "unknown"
-        refusal = _refusal(call, table)
+        mine = table if tables is None else _tool_table(tables[i])
+        refusal = _refusal(call, mine)
         if refusal is not None:
             results[i] = ToolResult(name, error_text(refusal), True, 0.0)
         else:
-            jobs.append((i, table[call.name], call.arguments))
-    if jobs:
-        _run_jobs(jobs, results, calls, float(timeout_s), max_workers or min(32, len(jobs)))
+            jobs.append((mine[call.name], call.arguments))
+            indices.append(i)
+    outcomes = run_concurrently(jobs, timeout_s=timeout_s, max_workers=max_workers)
+    for i, (tool, _), outcome in zip(indices, jobs, outcomes):
+        content = None if outcome.error is not None else _as_text(outcome.value)
+        if content is None:
+            content = error_text(f"tool {tool.name!r} {outcome.error or 'returned a value that cannot be shown'}")
+        results[i] = ToolResult(calls[i].name, content, outcome.error is not None, outcome.seconds)
     return results
+
+
+class Outcome(NamedTuple):
+    """What one job of :func:`run_concurrently` came to."""
+
+    value: object  # what the function returned (None when it failed)
+    error: str | None  # how it failed, as "raised ValueError: ...", "timed out after 10s", ...; None: it returned
+    seconds: float  # its wall time (the timeout for one that timed out; the wait for one never started)
+
+
+def run_concurrently(jobs: list, *, timeout_s: float, max_workers: int | None = None) -> list[Outcome]:
+    """Calls each job's ``tool.function(**arguments)`` at once, sync ones in daemon threads, async
+    ones on a shared event loop; one :class:`Outcome` per job, in order. Never raises for what a
+    function does (it raises, hangs, exits): the tools' calls and the environments' steps.
+
+    jobs:        (Tool, arguments) pairs; a Tool's ``max_concurrency`` holds its running calls
+                 across the process, as :func:`run_tool_calls` says.
+    timeout_s:   seconds a job may run from its start (a sync one is abandoned past it, an async
+                 one cancelled).
+    max_workers: jobs running at once; default every job, up to 32.
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if max_workers is not None and (
+        isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1
+    ):
+        raise ValueError(f"max_workers must be a positive int or None, got {max_workers!r}")
+    outcomes: list = [None] * len(jobs)
+    if jobs:
+        _run_jobs(list(enumerate(jobs)), outcomes, float(timeout_s), max_workers or min(32, len(jobs)))
+    return outcomes
 
 
 def _tool_table(tools) -> dict:
@@ -295,8 +332,9 @@ def _refusal(call: ToolCall, table: dict) -> str | None:
     return None
 
 
-def _run_jobs(jobs: list, results: list, calls: list, timeout_s: float, workers: int) -> None:
-    """Start the jobs as worker and tool slots allow; collect answers; give up on calls past their deadline."""
+def _run_jobs(jobs: list, outcomes: list, timeout_s: float, workers: int) -> None:
+    """Start the jobs ``(index, (tool, arguments))`` as worker and tool slots allow; collect
+    their outcomes; give up on jobs past their deadline."""
     done: queue.Queue = queue.Queue()
     pending = list(jobs)
     running: dict[int, float] = {}  # index -> deadline
@@ -311,17 +349,17 @@ def _run_jobs(jobs: list, results: list, calls: list, timeout_s: float, workers:
         for job in list(pending):
             if len(running) >= workers:
                 break
-            index, tool, arguments = job
+            index, (tool, arguments) = job
             slot = _slot_of(tool)
             if slot is not None and not slot.acquire(blocking=False):
                 waited = time.monotonic() - last_slot.get(tool.name, batch_start)
                 if waited > 2 * timeout_s:
                     pending.remove(job)
                     message = (
-                        f"tool {tool.name!r} timed out after {waited:.3g}s waiting for a free slot: its "
+                        f"timed out after {waited:.3g}s waiting for a free slot: its "
                         f"{tool.max_concurrency} concurrent calls are all still running"
                     )
-                    results[index] = ToolResult(tool.name, error_text(message), True, waited)
+                    outcomes[index] = Outcome(None, message, waited)
                 else:
                     blocked = True  # later jobs of other tools may still start
                 continue
@@ -344,20 +382,18 @@ def _run_jobs(jobs: list, results: list, calls: list, timeout_s: float, workers:
         if blocked:
             wait = min(wait, _SLOT_POLL_S)
         try:
-            index, content, failed, seconds = done.get(timeout=wait)
+            index, outcome = done.get(timeout=wait)
         except queue.Empty:
             pass
         else:
             if index in running:  # else: an abandoned call that answered after all; dropped
                 del running[index]
-                results[index] = ToolResult(calls[index].name, content, failed, seconds)
+                outcomes[index] = outcome
         now = time.monotonic()
         for index, deadline in list(running.items()):
             if now >= deadline:
                 del running[index]
-                name = calls[index].name
-                message = f"tool {name!r} timed out after {timeout_s:g}s"
-                results[index] = ToolResult(name, error_text(message), True, now - started_at[index])
+                outcomes[index] = Outcome(None, f"timed out after {timeout_s:g}s", now - started_at[index])
 
 
 def _slot_of(tool) -> threading.BoundedSemaphore | None:
@@ -375,13 +411,13 @@ def _start_thread(index: int, tool, arguments: dict, slot, done: queue.Queue) ->
     def work():
         start = time.monotonic()
         try:
-            content, failed = _as_text(tool.function(**arguments)), False
+            value, error = tool.function(**arguments), None
         except BaseException as exc:  # SystemExit too: a tool's sys.exit() must not end the thread silently
-            content, failed = error_text(f"tool {tool.name!r} raised {type(exc).__name__}: {exc}"), True
+            value, error = None, f"raised {type(exc).__name__}: {exc}"
         finally:
             if slot is not None:
                 slot.release()  # before the answer, so the scheduler finds the slot free when it wakes
-        done.put((index, content, failed, time.monotonic() - start))
+        done.put((index, Outcome(value, error, time.monotonic() - start)))
 
     # A daemon thread, not a pool's: a hung tool must never keep the interpreter from exiting
     # (concurrent.futures joins its workers at exit).
@@ -396,19 +432,18 @@ def _start_async(index: int, tool, arguments: dict, timeout_s: float, slot, done
             finished, _ = await asyncio.wait({task}, timeout=timeout_s)
             if not finished:
                 task.cancel()
-                message = f"tool {tool.name!r} timed out after {timeout_s:g}s"
-                content, failed = error_text(message), True
+                value, error = None, f"timed out after {timeout_s:g}s"
             elif task.exception() is not None:
                 exc = task.exception()
-                content, failed = error_text(f"tool {tool.name!r} raised {type(exc).__name__}: {exc}"), True
+                value, error = None, f"raised {type(exc).__name__}: {exc}"
             else:
-                content, failed = _as_text(task.result()), False
-        except BaseException as exc:  # the coroutine function itself raised, or the result is unprintable
-            content, failed = error_text(f"tool {tool.name!r} raised {type(exc).__name__}: {exc}"), True
+                value, error = task.result(), None
+        except BaseException as exc:  # the coroutine function itself raised
+            value, error = None, f"raised {type(exc).__name__}: {exc}"
         finally:
             if slot is not None:
                 slot.release()
-        done.put((index, content, failed, time.monotonic() - start))
+        done.put((index, Outcome(value, error, time.monotonic() - start)))
 
     asyncio.run_coroutine_threadsafe(work(), _event_loop())
 
@@ -423,13 +458,17 @@ def _event_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def _as_text(value) -> str:
+def _as_text(value) -> str | None:
     if isinstance(value, str):
         return value
     try:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
+        pass
+    try:
         return str(value)
+    except Exception:  # a __str__ that raises: the call reads as failed
+        return None
 
 
 # --------------------------------------------------------------------------------------------
