@@ -1,5 +1,5 @@
 """Prompt sources and their reward functions: a built-in task (the arithmetic demo, the
-tool-use task), or a dataset.
+tool-use task), a dataset, or reasoning-gym's generated tasks (``reasoning_gym:<task>``).
 
 Reward functions are named in configs: a built-in task's name (its reward), a reward function of
 ``grpo_fast.rewards`` (its ``REWARD_FUNCTIONS``: ``math_reward``, ``format_reward``, ...), or
@@ -8,6 +8,8 @@ Reward functions are named in configs: a built-in task's name (its reward), a re
 
 import importlib
 from collections.abc import Callable
+
+from grpo_fast.tasks.reasoning_gym import is_reasoning_gym, reasoning_gym_rows
 
 # The built-in tasks (--task NAME, without --dataset): name -> "module:reward function", imported
 # when picked. A task's module has build_tokenizer(), build_model(tokenizer, seed, **sizes),
@@ -22,6 +24,7 @@ TASKS = {
 # final answer) needs about 22 tokens.
 TASK_SETTINGS = {"tool_arithmetic": {"max_new_tokens": 32}}
 DATASET_REWARDS = ("math_reward",)
+REASONING_GYM_REWARDS = ("reasoning_gym_reward",)
 
 
 def task_module(name: str | None):
@@ -54,9 +57,13 @@ def get_reward_function(name) -> Callable:
 
 def resolve_rewards(names, dataset: str | None, task: str | None = None) -> tuple:
     """``(functions, their names)`` of reward ``names`` (None = the task's: the built-in task's
-    reward when ``dataset`` is None, else math_reward)."""
+    reward when ``dataset`` is None, reasoning_gym_reward for reasoning-gym tasks, else
+    math_reward)."""
     if names is None:
-        names = (task or "arithmetic",) if dataset is None else DATASET_REWARDS
+        if dataset is None:
+            names = (task or "arithmetic",)
+        else:
+            names = REASONING_GYM_REWARDS if is_reasoning_gym(dataset) else DATASET_REWARDS
     funcs = [get_reward_function(name) for name in names]
     return funcs, [getattr(f, "__name__", str(f)) for f in funcs]
 
@@ -73,7 +80,9 @@ def load_rows(
     **options,
 ) -> list:
     """Prompt rows: the built-in ``task``'s when ``dataset`` is None (``hold_out``: without its
-    held-out rows; ``held_out``: those rows alone), else the dataset's.
+    held-out rows; ``held_out``: those rows alone), else the dataset's: reasoning-gym's
+    generated rows for ``reasoning_gym:<task>`` (from ``seed``, or ``held_out``: the eval rows'
+    seed; see ``grpo_fast.tasks.reasoning_gym``), else a file's or the Hub's.
 
     ``tools``: the tools' JSON schemas, which a chat template shows in every prompt.
     ``options``: prompt_column, prompt_template, answer_column, system_prompt, config, split (see
@@ -86,6 +95,11 @@ def load_rows(
         rows = module.held_out_rows() if held_out else module.build_dataset(seed=seed, hold_out=hold_out)
         system_prompt = options.get("system_prompt")
         return format_prompts(rows, tokenizer, system_prompt, tools) if tokenizer is not None else rows
+    if is_reasoning_gym(dataset):
+        system_prompt = options.get("system_prompt")
+        return reasoning_gym_rows(
+            dataset, tokenizer=tokenizer, seed=seed, held_out=held_out, system_prompt=system_prompt, tools=tools
+        )
     rows = load_prompt_dataset(dataset, tokenizer=tokenizer, tools=tools, **options)
     if not rows:
         raise ValueError(f"dataset {dataset!r} has no rows")
