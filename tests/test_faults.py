@@ -204,7 +204,9 @@ def test_a_reward_whose_process_dies_stops_the_run_and_resume_auto_continues(tmp
 
     cut = str(tmp_path / "cut")
     start = time.perf_counter()
-    with pytest.raises(RewardError, match=r"reward function 'arithmetic_reward' raised CalledProcessError: .* died with"):
+    with pytest.raises(
+        RewardError, match=r"reward function 'arithmetic_reward' raised CalledProcessError: .* died with"
+    ):
         GRPOTrainer(small_config(tmp_path, output_dir=cut, **options), reward_funcs=[judged]).train()
     assert time.perf_counter() - start < 30
     assert ckpt.latest_valid_checkpoint(cut) == ckpt.checkpoint_path(cut, 2)

@@ -203,8 +203,8 @@ def test_train_learns_the_demo_and_resumes_after_preemption_exactly(tmp_path):
 def test_an_engine_failure_stops_the_rollout_naming_the_engine(engine, monkeypatch):
     """vLLM's engine raising in the middle of a rollout (its core dies in this process) is an
     EngineError naming the engine and the error, at once; a refused request stays a ValueError."""
-    from grpo_fast.trainer.rollout.samples import EngineError, rollout
     from grpo_fast.tasks.arithmetic import arithmetic_reward
+    from grpo_fast.trainer.rollout.samples import EngineError, rollout
 
     rows = build_dataset(2, seed=1)
 
