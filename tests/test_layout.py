@@ -21,7 +21,9 @@ PACKAGE = os.path.join(ROOT, "grpo_fast")
 # says the same in its __init__ docstring.
 SIDES = ("grpo_fast.trainer.model", "grpo_fast.trainer.rollout", "grpo_fast.trainer.update", "grpo_fast.trainer.run")
 TOP = ("grpo_fast.trainer.grpo", "grpo_fast.trainer.ppo")
-CORE = tuple(f"grpo_fast.trainer.{name}" for name in ("config", "choices", "trl_names", "runtime", "distributed"))
+CORE = tuple(
+    f"grpo_fast.trainer.{name}" for name in ("config", "checks", "choices", "trl_names", "runtime", "distributed")
+)
 FORBIDDEN = [
     ("grpo_fast.kernels", ("grpo_fast.ops", "grpo_fast.trainer", "grpo_fast.reference")),
     ("grpo_fast.ops", ("grpo_fast.trainer", "grpo_fast.integrations")),

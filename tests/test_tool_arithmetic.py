@@ -19,13 +19,13 @@ def solve(model, tokenizer, rows: list, *, tools: bool) -> list:
     from grpo_fast.trainer.config import GRPOConfig
     from grpo_fast.trainer.rollout.engines import EngineSettings, make_generator
     from grpo_fast.trainer.rollout.samples import rollout
-    from grpo_fast.trainer.rollout.tool_turns import ToolLoop
+    from grpo_fast.trainer.rollout.turns import TurnLoop
 
     config = GRPOConfig(task="tool_arithmetic", tools=list(task.TOOLS) if tools else None, top_k=1)
     template = ToolTemplate(tokenizer, list(task.TOOLS)) if tools else None
     rows = format_prompts(rows, tokenizer, tools=template.schemas if tools else None)
     engine = make_generator("sampler", model, tokenizer, EngineSettings.of(config))
-    loop = ToolLoop(template, config) if tools else None
+    loop = TurnLoop(template, config) if tools else None
     return rollout(engine, rows, list(range(len(rows))), [], group_size=1, turns=loop).completions
 
 

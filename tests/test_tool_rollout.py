@@ -198,7 +198,7 @@ def test_rewards_see_trajectories_and_tool_counts(tmp_path, short_warm_start):
 
     trainer = GRPOTrainer(GRPOConfig.from_dict(dict(TOOL_RUN, steps=1, output_dir=str(tmp_path / "run"))))
     rows = trainer.rows[:2]
-    samples = rollout(trainer.source.engine, rows, [0, 1], [probe], group_size=4, turns=trainer.tool_loop)
+    samples = rollout(trainer.source.engine, rows, [0, 1], [probe], group_size=4, turns=trainer.turn_loop)
     assert all(isinstance(c, list) and c[-1]["role"] == "assistant" for c in seen["completions"])
     calls = [sum(len(m.get("tool_calls", [])) for m in c if m["role"] == "assistant") for c in seen["completions"]]
     tool_messages = [sum(m["role"] == "tool" for m in c) for c in seen["completions"]]

@@ -55,10 +55,13 @@ def get_reward_function(name) -> Callable:
     return func
 
 
-def resolve_rewards(names, dataset: str | None, task: str | None = None) -> tuple:
+def resolve_rewards(names, dataset: str | None, task: str | None = None, environment: bool = False) -> tuple:
     """``(functions, their names)`` of reward ``names`` (None = the task's: the built-in task's
     reward when ``dataset`` is None, reasoning_gym_reward for reasoning-gym tasks, else
-    math_reward)."""
+    math_reward; in an ``environment`` its episodes' rewards, environment_reward, unless a
+    built-in task names its own)."""
+    if names is None and environment and task is None:
+        names = ("environment_reward",)
     if names is None:
         if dataset is None:
             names = (task or "arithmetic",)

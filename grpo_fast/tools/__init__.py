@@ -14,15 +14,14 @@ configuration before torch loads. The built-in tools are imported only when pick
 """
 
 from grpo_fast.tools.calls import (
-    Outcome,
     ToolCall,
     ToolResult,
     error_text,
     parse_tool_calls,
-    run_concurrently,
     run_tool_calls,
     truncate_middle,
 )
+from grpo_fast.tools.concurrency import Outcome, run_concurrently
 from grpo_fast.tools.registry import TOOLS, Tool, resolve_tools
 from grpo_fast.tools.template import ChatTemplate, ToolTemplate
 

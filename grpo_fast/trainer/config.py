@@ -10,9 +10,10 @@ import os
 from dataclasses import dataclass
 
 from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option, option_default
-from grpo_fast.tasks import TASK_SETTINGS, TASKS
+from grpo_fast.tasks import TASK_SETTINGS
 from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
-from grpo_fast.tools import TOOLS
+from grpo_fast.trainer import checks
+from grpo_fast.trainer.checks import require
 from grpo_fast.trainer.choices import (
     ATTENTION_KERNELS,
     ENGINES,
@@ -21,8 +22,6 @@ from grpo_fast.trainer.choices import (
     PRECISIONS,
     SAVE_FAILURES,
     TRACKERS,
-    TURN_ENGINES,
-    check_device,
     check_signals,
     check_trackers,
 )
@@ -32,7 +31,7 @@ from grpo_fast.trainer.trl_names import from_trl_names
 # field names its own where it is defined (``option(..., topic=...)``).
 DATA = "model and data"
 REWARDS = "rewards"
-TOOLING = "tools"
+TOOLING = "tools and environments"
 ROLLOUT = "rollout"
 ENGINE = "generation engine"
 ASYNC = "asynchronous rollouts and off-policy samples"
@@ -116,6 +115,16 @@ class GRPOConfig(LossConfig):
     )
     tool_timeout_s: float = option(
         10.0, "tools: a call still running after this many seconds answers with an error", topic=TOOLING
+    )
+    environment: str | None = option(
+        None,
+        "stateful episodes: a built-in name (guess_number, code_feedback), package.module:Class (TRL's "
+        "environment_factory classes too) or verifiers:<taskset id>; None = none",
+        topic=TOOLING,
+    )
+    max_turns: int | None = option(None, "environment: at most this many model turns an episode", topic=TOOLING)
+    environment_timeout_s: float = option(
+        30.0, "environment: a reset or step running longer ends its episode with reward 0", topic=TOOLING
     )
 
     steps: int = option(300, "training steps (one rollout batch each)", topic=ROLLOUT)
@@ -346,36 +355,36 @@ class GRPOConfig(LossConfig):
 
         def choice(name: str, options):
             value = getattr(self, name)
-            _require(value in options, f"{name} must be one of {tuple(options)}, got {value!r}")
+            require(value in options, f"{name} must be one of {tuple(options)}, got {value!r}")
 
         for name in ("steps", "batch_size", "max_new_tokens", "num_iterations", "max_sampling_rounds", "eval_samples"):
-            self._int_at_least(name, 1)
+            checks.int_at_least(self, name, 1)
         for name in ("top_k", "log_completions_every", "eval_every"):
-            self._int_at_least(name, 0)
+            checks.int_at_least(self, name, 0)
         for name, low in (("max_tokens_per_micro_batch", 1), ("vllm_max_model_len", 2)):
-            self._int_at_least(name, low, optional=True)
-        _require(
+            checks.int_at_least(self, name, low, optional=True)
+        require(
             isinstance(self.group_size, int) and self.group_size >= 2,
             f"group_size (G) must be an int >= 2: advantages compare samples within a group, got {self.group_size!r}",
         )
-        _require(
+        require(
             self.batch_size % self.group_size == 0,
             f"batch_size={self.batch_size} must be divisible by group_size={self.group_size} "
             "(batch_size counts completions, group_size of them per prompt)",
         )
         if self.micro_batch_size is not None:
-            _require(
+            require(
                 isinstance(self.micro_batch_size, int) and 1 <= self.micro_batch_size <= self.batch_size,
                 f"micro_batch_size must be an int in [1, batch_size={self.batch_size}], got {self.micro_batch_size!r}",
             )
         self.loss_config()
-        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _require(
+        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        require(
             not self.compile_generation or self.generator == "sampler",
             f"compile_generation needs generator='sampler' (it compiles that engine's decode step), "
             f"got generator={self.generator!r}",
         )
-        _require(
+        require(
             0 < self.vllm_gpu_memory_utilization <= 1,
             f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization!r}",
         )
@@ -384,115 +393,46 @@ class GRPOConfig(LossConfig):
             check_sampling_correction(
                 self.correction_mode(), self.sampling_correction_min, self.sampling_correction_max
             )
-        self._validate_asynchrony()
+        checks.check_asynchrony(self)
         self.check_tools(self.tools)
-        _require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate!r}")
-        _require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
-        _require(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every!r}")
-        _require(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints!r}")
+        require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate!r}")
+        require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        require(self.save_every >= 0, f"save_every must be >= 0, got {self.save_every!r}")
+        require(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints!r}")
         check_signals("preemption_signals", self.preemption_signals)
-        _require(self.preemption_grace_s >= 0, f"preemption_grace_s must be >= 0, got {self.preemption_grace_s!r}")
-        self._int_at_least("max_nonfinite_steps", 1)
-        _require(self.lora_r >= 0, f"lora_r must be >= 0, got {self.lora_r!r}")
-        _require(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
+        require(self.preemption_grace_s >= 0, f"preemption_grace_s must be >= 0, got {self.preemption_grace_s!r}")
+        checks.int_at_least(self, "max_nonfinite_steps", 1)
+        require(self.lora_r >= 0, f"lora_r must be >= 0, got {self.lora_r!r}")
+        require(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
         for name, options in (("advantage_scale", SCALES), ("lr_schedule", LR_SCHEDULES), ("precision", PRECISIONS)):
             choice(name, options)
         for name, options in (("attention_kernel", ATTENTION_KERNELS), ("generator", ENGINES), ("parallel", PARALLEL)):
             choice(name, options)
         choice("on_save_failure", SAVE_FAILURES)
         if self.reward_weights is not None:
-            _require(
+            require(
                 self.reward_funcs is not None and len(self.reward_weights) == len(self.reward_funcs),
                 f"reward_weights needs one weight per entry of reward_funcs, got {self.reward_weights!r} "
                 f"for {self.reward_funcs!r}",
             )
-        _require(
+        require(
             self.eval_every <= self.steps,
             f"eval_every={self.eval_every} is larger than the run (steps={self.steps}): it would evaluate only at "
             "the end; pass eval_every <= steps",
         )
         if self.eval_temperature is not None:
-            _require(self.eval_temperature > 0, f"eval_temperature must be > 0, got {self.eval_temperature!r}")
+            require(self.eval_temperature > 0, f"eval_temperature must be > 0, got {self.eval_temperature!r}")
         check_trackers(self.report_to)
         if self.model is not None and is_local_path(self.model):
-            _require(os.path.isdir(self.model), f"model path {self.model!r} is not a directory")
+            require(os.path.isdir(self.model), f"model path {self.model!r} is not a directory")
         for name in ("dataset", "eval_dataset"):  # a Hub name is checked when it loads, before the model
             path = getattr(self, name)
-            _require(
+            require(
                 path is None or not is_dataset_path(path) or os.path.exists(path),
                 f"{name} path {path!r} does not exist",
             )
 
     def check_tools(self, tools) -> None:
-        """The task and ``tools`` (the config's, or the functions given to the trainer): names
-        that exist, limits in range, an engine that runs turns; raises ValueError (checked before
-        anything loads; a tool's function and schema are checked when the trainer resolves it,
-        before the model loads)."""
-
-        if self.task is not None:
-            _require(self.task in TASKS, f"task must be one of {tuple(TASKS)} or None, got {self.task!r}")
-            _require(
-                self.dataset is None,
-                f"task={self.task!r} is a built-in task's prompts and dataset={self.dataset!r} another's: give one",
-            )
-        if tools is None:
-            return
-        _require(
-            isinstance(tools, list) and len(tools) > 0,
-            f"tools must be a non-empty list of tool names or None, got {tools!r}",
-        )
-        for name in tools:
-            _require(
-                not isinstance(name, str) or name in TOOLS or ":" in name,
-                f"unknown tool {name!r}; the built-in tools are {sorted(TOOLS)}, or give package.module:function",
-            )
-        for name in ("max_tool_calling_iterations", "max_tool_response_tokens"):
-            self._int_at_least(name, 1, optional=True)
-        _require(self.tool_timeout_s > 0, f"tool_timeout_s must be > 0, got {self.tool_timeout_s!r}")
-        _require(
-            self.generator in TURN_ENGINES,
-            f"tools need an engine that samples turns: generator one of {TURN_ENGINES}, got {self.generator!r}",
-        )
-        _require(
-            not self.compile_generation,
-            "tools do not work with compile_generation: a CUDA graph has fixed shapes, and a tool's answer changes "
-            "the batch's between turns",
-        )
-
-    def _int_at_least(self, name: str, low: int, optional: bool = False) -> None:
-        """ValueError unless field ``name`` is an int >= ``low`` (or None when ``optional``)."""
-        value = getattr(self, name)
-        ok = (optional and value is None) or (isinstance(value, int) and not isinstance(value, bool) and value >= low)
-        _require(ok, f"{name} must be an int >= {low}{' or None' if optional else ''}, got {value!r}")
-
-    def _validate_asynchrony(self) -> None:
-        """max_staleness and what it needs: a generation device that exists, options that work
-        with a worker sampling ahead of the trainer (checked before any model loads)."""
-        K = self.max_staleness
-        _require(
-            isinstance(K, int) and not isinstance(K, bool) and K >= 0,
-            f"max_staleness must be an int >= 0 (0 = synchronous rollouts), got {K!r}",
-        )
-        if not K:
-            _require(
-                self.generation_device is None,
-                f"generation_device={self.generation_device!r} needs max_staleness >= 1 (the synchronous loop "
-                "samples on the trainer's device)",
-            )
-            return
-        _require(
-            not self.dynamic_sampling,
-            "max_staleness >= 1 does not work with dynamic_sampling: its refill rounds decide, from every rank's "
-            "rewards, which prompts the next step samples",
-        )
-        _require(
-            self.parallel != "fsdp",
-            "max_staleness >= 1 needs parallel='ddp': the worker samples with whole weights, which FSDP2 shards",
-        )
-        if self.generation_device is not None:
-            check_device("generation_device", self.generation_device)
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
+        """The task, ``tools`` (the config's, or the functions given to the trainer) and the
+        environment: see :func:`checks.check_turns` (before anything loads)."""
+        checks.check_turns(self, tools)

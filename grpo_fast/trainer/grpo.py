@@ -32,8 +32,9 @@ from typing import NamedTuple
 import torch
 from transformers import set_seed
 
+from grpo_fast.environments import load_environment
 from grpo_fast.tasks import load_rows, resolve_rewards
-from grpo_fast.tools import ToolTemplate, resolve_tools
+from grpo_fast.tools import resolve_tools
 from grpo_fast.trainer import distributed
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.model.build import (
@@ -47,7 +48,7 @@ from grpo_fast.trainer.rollout.data import DataOrder
 from grpo_fast.trainer.rollout.engines import EngineSettings, make_generator
 from grpo_fast.trainer.rollout.samples import Samples
 from grpo_fast.trainer.rollout.sources import InProcessRollouts
-from grpo_fast.trainer.rollout.tool_turns import ToolLoop
+from grpo_fast.trainer.rollout.turns import turn_loop
 from grpo_fast.trainer.rollout.worker import AsyncRollouts
 from grpo_fast.trainer.run import checkpoint, evaluation, hub, loop, run_log
 from grpo_fast.trainer.runtime import Runtime
@@ -81,13 +82,26 @@ class GRPOTrainer:
         rows: prompt rows ``{"prompt": str, ...}`` (default: from ``config``).
         reward_funcs: callables or names (default: ``config.reward_funcs``, else the task's).
         tools: callables or names the model may call (default: ``config.tools``).
+        environment: the episodes' environment: a class (ours, or TRL's ``environment_factory``)
+            or a name (default: ``config.environment``).
     """
 
-    def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None, rows=None, reward_funcs=None, tools=None):
+    def __init__(
+        self,
+        config: GRPOConfig,
+        *,
+        model=None,
+        tokenizer=None,
+        rows=None,
+        reward_funcs=None,
+        tools=None,
+        environment=None,
+    ):
         config.validate()
         config.check_tools(tools)
-        # tools refused before anything loads, the chat template before the model
+        # tools and the environment refused before anything loads, the chat template before the model
         self.tools = resolve_tools(tools if tools is not None else config.tools)
+        self.environment = load_environment(environment if environment is not None else config.environment)
         hub.check_push(config)  # before anything loads: a run that cannot push fails now, not at its end
         if model is None:
             check_model_source(config)
@@ -109,7 +123,7 @@ class GRPOTrainer:
                 "compile_generation replays a CUDA graph on fixed weight addresses, but under FSDP2 the weights are "
                 "gathered anew for each rollout: use parallel='ddp', or no compile_generation"
             )
-        self.tool_loop = None
+        self.turn_loop = None
         if model is None:
             model, tokenizer = load_model_and_tokenizer(
                 config, runtime.flash_attention(), self._check_template, tools=bool(self.tools)
@@ -124,15 +138,15 @@ class GRPOTrainer:
         self.modules = wrap_modules(self.policy, self.reference, self.loss_config, config, runtime)
         self.rows = rows if rows is not None else self._load_rows()
         self.reward_funcs, self.reward_names = resolve_rewards(
-            reward_funcs or config.reward_funcs, config.dataset, config.task
+            reward_funcs or config.reward_funcs, config.dataset, config.task, self.environment is not None
         )
         self.data = DataOrder(self.rows, config.seed, config.prompts_per_step, ranks)
         self.source = self._make_source()
         self.evaluator = None
         if config.eval_every or config.eval_dataset is not None:
-            eval_rows = evaluation.load_eval_rows(config, tokenizer, self.tool_schemas)
-            # its own tool loop: the evals' tool seconds are not the training step's
-            eval_loop = ToolLoop(self.tool_loop.template, config) if self.tool_loop else None
+            eval_rows = evaluation.load_eval_rows(config, self._prompt_tokenizer, self.tool_schemas)
+            # its own turn loop: the evals' tool seconds are not the training step's
+            eval_loop = self.turn_loop.copy() if self.turn_loop else None
             self.evaluator = evaluation.Evaluator(
                 self.policy, tokenizer, config, eval_rows, self.reward_funcs, self.reward_names, runtime, eval_loop
             )
@@ -146,21 +160,26 @@ class GRPOTrainer:
             set_seed(config.seed + ranks.rank)
 
     def _check_template(self, tokenizer) -> None:
-        """With tools: the tokenizer's chat template must render them and be prefix-preserving
-        (ToolTemplate raises, naming the cause); then the rollouts' tool loop."""
-        if self.tools:
-            self.tool_loop = ToolLoop(ToolTemplate(tokenizer, self.tools), self.config)
+        """With tools or an environment: the tokenizer's chat template must be prefix-preserving
+        and render the tools (raises, naming the cause); then the rollouts' turn loop."""
+        self.turn_loop = turn_loop(tokenizer, self.tools, self.environment, self.config)
 
     @property
     def tool_schemas(self) -> list | None:
-        """The tools' JSON schemas, which every prompt shows; None without tools."""
-        return [tool.schema for tool in self.tools] or None
+        """The tools' JSON schemas, which every row's prompt shows; None without tools, or in an
+        environment (its episodes' ``reset`` gives their prompt, which each rollout renders)."""
+        return None if self.environment is not None else [tool.schema for tool in self.tools] or None
+
+    @property
+    def _prompt_tokenizer(self):
+        """What formats the rows' prompts: the tokenizer, or None in an environment."""
+        return None if self.environment is not None else self.tokenizer
 
     def _load_rows(self) -> list:
         config = self.config
         return load_rows(
             config.dataset,
-            tokenizer=self.tokenizer,
+            tokenizer=self._prompt_tokenizer,
             seed=config.seed,
             hold_out=evaluation.demo_holds_out(config),
             task=config.task,
@@ -175,11 +194,19 @@ class GRPOTrainer:
         config, runtime = self.config, self.runtime
         if config.max_staleness:
             return AsyncRollouts(
-                config, runtime, self.policy, self.reference, self.tokenizer, self.reward_funcs, self.data, self.tools
+                config,
+                runtime,
+                self.policy,
+                self.reference,
+                self.tokenizer,
+                self.reward_funcs,
+                self.data,
+                self.tools,
+                self.environment,
             )
         engine = make_generator(config.generator, self.policy, self.tokenizer, EngineSettings.of(config), runtime)
         return InProcessRollouts(
-            engine, self.data, self.reward_funcs, config, runtime, self.modules.packed, self.tokenizer, self.tool_loop
+            engine, self.data, self.reward_funcs, config, runtime, self.modules.packed, self.tokenizer, self.turn_loop
         )
 
     @property

@@ -57,8 +57,10 @@ class Samples:
     data_end: int = 0  # the data position after the rows sampled: where the next batch starts
     sampling_rounds: int = 1  # generation rounds it took (dynamic sampling)
     dropped_groups: int = 0  # groups sampled but dropped, over every rank: their rewards were all equal
-    # [N, 3] float32 per row: tool calls, failed calls, turns (a multi-turn rollout), or None
+    # [N, 3] float32 per row: tool calls, failed calls, turns (a rollout with tools), or None
     tool_counts: torch.Tensor | None = None
+    # [N, 4] float32 per row: turns, errors, successes, scored (a rollout in an environment), or None
+    env_counts: torch.Tensor | None = None
 
     def to(self, device) -> "Samples":
         """These samples with their tensors on ``device``."""
@@ -113,12 +115,16 @@ def groups_with_signal(rewards: torch.Tensor, group_size: int, reward_weights=No
     return (advantages.view(-1, group_size) != 0).any(1)
 
 
+# The per-row tensors a batch may lack (None), besides the ones every batch has.
+PER_ROW_OPTIONAL = ("sampling_logprobs", "tool_counts", "env_counts")
+
+
 def select_groups(batch: Samples, groups: torch.Tensor, group_size: int) -> Samples:
     """The rows of the groups ``groups`` [k] (indices, in order) of freshly sampled ``batch``."""
     rows = (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1).tolist()
     pick = torch.tensor(rows, dtype=torch.long)
     per_row = ("input_ids", "attention_mask", "completion_mask", "rewards")
-    per_row += tuple(name for name in ("sampling_logprobs", "tool_counts") if getattr(batch, name) is not None)
+    per_row += tuple(name for name in PER_ROW_OPTIONAL if getattr(batch, name) is not None)
     return dataclasses.replace(
         batch,
         prompts=[batch.prompts[i] for i in rows],
@@ -157,7 +163,10 @@ def concat_samples(parts: list, pad_token_id: int) -> Samples:
         completion_mask=completion_grid("completion_mask"),
         sampling_logprobs=completion_grid("sampling_logprobs"),
         rewards=torch.cat([part.rewards for part in parts]),
-        tool_counts=None if parts[0].tool_counts is None else torch.cat([part.tool_counts for part in parts]),
+        **{
+            name: None if getattr(parts[0], name) is None else torch.cat([getattr(part, name) for part in parts])
+            for name in ("tool_counts", "env_counts")
+        },
     )
 
 
@@ -178,30 +187,35 @@ def rollout(
 
     Args:
         generator: a generation engine (``grpo_fast.trainer.rollout.engines``).
-        rows: dataset rows, each with a "prompt" str and optional answer/test columns.
+        rows: dataset rows, each with a "prompt" str and optional answer/test columns (with an
+            environment, what its reset reads: the prompt is then the environment's).
         keys: [len(rows)] int, the rows' positions in the run's data order.
         reward_funcs: ``f(prompts, completions, **columns) -> list[float | None]``.
         keep_logprobs: keep the engine's log-probs (None for an engine that returns none).
-        turns: with tools, ``turns(N)`` makes the batch's tool loop (``tool_turns.ToolLoop``);
-            the rewards then get each trajectory's messages and, as columns, ``tool_calls`` and
-            ``tool_failures`` (counts), and the rows their tool counts.
+        turns: with tools or an environment, the run's ``turns.TurnLoop``: ``turns(rows, G)``
+            makes the batch's episodes; the rewards then get each trajectory's messages and what
+            ``Episodes.columns`` adds (tool counts, the environments and their rewards), and the
+            rows their tool and environment counts.
     """
-    prompts = [row["prompt"] for row in rows for _ in range(group_size)]
+    loop = None if turns is None else turns(rows, group_size)
+    texts = loop.prompts if loop is not None and loop.prompts is not None else [row["prompt"] for row in rows]
+    prompts = [text for text in texts for _ in range(group_size)]
     columns = {key: [row[key] for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
-    loop = None if turns is None else turns(len(prompts))
     try:
-        out = generator.generate([row["prompt"] for row in rows], group_size, keys, **({"turns": loop} if loop else {}))
+        out = generator.generate(texts, group_size, keys, **({"turns": loop} if loop else {}))
     except (ValueError, TypeError):
         raise  # a request the engine refuses, named by its check
     except Exception as exc:
-        raise EngineError(f"the {type(generator).__name__} engine failed while sampling: {type(exc).__name__}: {exc}") from exc
-    completions, counts, scored = out.completions, None, columns
+        raise EngineError(
+            f"the {type(generator).__name__} engine failed while sampling: {type(exc).__name__}: {exc}"
+        ) from exc
+    completions, tool_counts, env_counts, scored = out.completions, None, None, columns
     if loop is not None:
         C = out.completion_mask.shape[1]
         ids = [row[real.bool()].tolist() for row, real in zip(out.input_ids[:, -C:], out.attention_mask[:, -C:])]
-        completions, counts = loop.trajectories(ids), loop.counts()
-        calls, failures = counts[:, :2].long().T.tolist()
-        scored = {**columns, "tool_calls": calls, "tool_failures": failures}
+        completions = loop.trajectories(ids)
+        tool_counts, env_counts = loop.counts()
+        scored = {**columns, **loop.columns()}
     return Samples(
         prompts=prompts,
         completions=completions,
@@ -211,5 +225,6 @@ def rollout(
         completion_mask=out.completion_mask,
         rewards=score(reward_funcs, prompts, completions, scored),
         sampling_logprobs=out.logprobs if keep_logprobs or generator.drifts else None,
-        tool_counts=counts,
+        tool_counts=tool_counts,
+        env_counts=env_counts,
     )

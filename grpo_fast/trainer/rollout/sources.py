@@ -59,14 +59,14 @@ class InProcessRollouts(RolloutSource):
         policy_module: the module an FSDP2 policy is gathered from for an engine that runs
             the policy itself.
         tokenizer: its pad token re-pads rounds to one width.
-        tool_loop: with tools, the :class:`~grpo_fast.trainer.rollout.tool_turns.ToolLoop` of the
+        turn_loop: with tools or an environment, the :class:`~grpo_fast.trainer.rollout.turns.TurnLoop` of the
             rollouts' turns; None without.
     """
 
-    def __init__(self, engine, data, reward_funcs: list, config, runtime, policy_module, tokenizer, tool_loop=None):
+    def __init__(self, engine, data, reward_funcs: list, config, runtime, policy_module, tokenizer, turn_loop=None):
         self.engine, self.data, self.reward_funcs, self.config = engine, data, reward_funcs, config
         self.ranks, self.policy_module, self.tokenizer = runtime.ranks, policy_module, tokenizer
-        self.tool_loop = tool_loop
+        self.turn_loop = turn_loop
 
     def next(self, position: int, version: int) -> Samples:
         config, G, wanted = self.config, self.config.group_size, self.config.prompts_per_step
@@ -76,7 +76,7 @@ class InProcessRollouts(RolloutSource):
             rows, keys, position = self.data.take(position)
             gather = distributed.gathered(self.policy_module) if self.engine.runs_policy else contextlib.nullcontext()
             with gather:
-                part = rollout(self.engine, rows, keys, self.reward_funcs, group_size=G, turns=self.tool_loop)
+                part = rollout(self.engine, rows, keys, self.reward_funcs, group_size=G, turns=self.turn_loop)
             rounds += 1
             if config.dynamic_sampling:
                 # Every rank's groups of the round in data order, so that all ranks keep the same
@@ -97,7 +97,7 @@ class InProcessRollouts(RolloutSource):
         self.engine.publish(version)
 
     def metrics(self) -> dict:
-        return {**self.engine.metrics(), **(self.tool_loop.metrics() if self.tool_loop else {})}
+        return {**self.engine.metrics(), **(self.turn_loop.metrics() if self.turn_loop else {})}
 
     def close(self) -> None:
         self.engine.close()

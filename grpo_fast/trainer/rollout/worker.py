@@ -64,14 +64,14 @@ import traceback
 import torch
 import transformers
 
-from grpo_fast.tools import ToolTemplate
+from grpo_fast.environments import load_environment
 from grpo_fast.trainer.model.build import reference_context
 from grpo_fast.trainer.model.packed_policy import PackedPolicy
 from grpo_fast.trainer.model.packing import pack_rollout
 from grpo_fast.trainer.rollout.engines import EngineSettings, make_generator
 from grpo_fast.trainer.rollout.samples import Samples, rollout
 from grpo_fast.trainer.rollout.sources import RolloutSource
-from grpo_fast.trainer.rollout.tool_turns import ToolLoop
+from grpo_fast.trainer.rollout.turns import turn_loop
 from grpo_fast.trainer.runtime import Runtime
 
 POLL_S = 0.05  # how often a waiting side checks that the other is still alive
@@ -120,6 +120,7 @@ class WorkerSetup:
     tokenizer: object
     reward_funcs: list
     tools: list  # the resolved Tools (functions pickle by reference); [] without tools
+    environment: object  # the environment's class or name (EnvironmentFactory.spec), or None
     device: str
     bf16: bool  # the precision decided for the worker's device (Runtime.on)
     threads: int  # torch threads on CPU
@@ -146,12 +147,25 @@ class AsyncRollouts(RolloutSource):
             to the worker when it starts.
         tokenizer, reward_funcs: the run's.
         data: the run's :class:`~grpo_fast.trainer.rollout.data.DataOrder`.
-        tools: the run's resolved tools ([] without): the worker runs the tool loop.
+        tools: the run's resolved tools ([] without): the worker runs the turn loop.
+        environment: the run's EnvironmentFactory, or None: the worker makes its own from its spec.
     """
 
-    def __init__(self, config, runtime: Runtime, policy, reference, tokenizer, reward_funcs: list, data, tools=()):
+    def __init__(
+        self,
+        config,
+        runtime: Runtime,
+        policy,
+        reference,
+        tokenizer,
+        reward_funcs: list,
+        data,
+        tools=(),
+        environment=None,
+    ):
         self.config, self.runtime, self.policy, self.reference = config, runtime, policy, reference
         self.tokenizer, self.reward_funcs, self.data, self.tools = tokenizer, reward_funcs, data, list(tools)
+        self.environment = environment
         self.process = None
         self._metrics: dict = {}
 
@@ -180,6 +194,7 @@ class AsyncRollouts(RolloutSource):
             tokenizer=self.tokenizer,
             reward_funcs=self.reward_funcs,
             tools=self.tools,
+            environment=None if self.environment is None else self.environment.spec,
             device=str(device),
             bf16=worker_runtime.bf16,
             threads=threads,
@@ -316,7 +331,7 @@ class Worker:
         self.generator = make_generator(
             config.generator, self.model, setup.tokenizer, EngineSettings.of(config), runtime
         )
-        self.tool_loop = ToolLoop(ToolTemplate(setup.tokenizer, setup.tools), config) if setup.tools else None
+        self.turn_loop = turn_loop(setup.tokenizer, setup.tools, load_environment(setup.environment), config)
         self.packed = PackedPolicy(self.model, config.loss_config(), runtime)
         self.reference, self.reference_packed = None, None
         if setup.reference_is_policy:
@@ -344,7 +359,7 @@ class Worker:
                 setup.reward_funcs,
                 group_size=config.group_size,
                 keep_logprobs=True,
-                turns=self.tool_loop,
+                turns=self.turn_loop,
             )
             micro = self._micro_batches(samples)  # as the trainer will pack it
             if samples.sampling_logprobs is None:
@@ -358,7 +373,7 @@ class Worker:
                 worker_rollout_s=rollout_s,
                 worker_reference_share=done / max(samples.input_ids.shape[0], 1),
                 **self.generator.metrics(),
-                **(self.tool_loop.metrics() if self.tool_loop else {}),
+                **(self.turn_loop.metrics() if self.turn_loop else {}),
             )
             samples = samples.to("cpu")
             # Plain pickle: the tensors' bytes travel in the message (a few KB a row), not as

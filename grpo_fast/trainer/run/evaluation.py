@@ -109,7 +109,7 @@ class Evaluator:
         reward_funcs, reward_names: the run's reward functions and their names.
         runtime: the device, the job's ranks and the precision (default: one process at
             float32 on the model's device).
-        tool_loop: with tools, the rollouts' :class:`~grpo_fast.trainer.rollout.tool_turns.ToolLoop`.
+        turn_loop: with tools or an environment, the rollouts' :class:`~grpo_fast.trainer.rollout.turns.TurnLoop`.
     """
 
     model: torch.nn.Module
@@ -119,7 +119,7 @@ class Evaluator:
     reward_funcs: list
     reward_names: list
     runtime: Runtime | None = None
-    tool_loop: object = None
+    turn_loop: object = None
 
     def __post_init__(self):
         config = self.config
@@ -144,7 +144,7 @@ class Evaluator:
             for start in range(first, stop, chunk):
                 keys = list(range(start, min(start + chunk, stop)))
                 rows = [self.rows[i] for i in keys]
-                samples = rollout(self.generator, rows, keys, self.reward_funcs, group_size=n, turns=self.tool_loop)
+                samples = rollout(self.generator, rows, keys, self.reward_funcs, group_size=n, turns=self.turn_loop)
                 parts.append(samples.rewards)
         rewards, _ = ranks.gather_rows(torch.cat(parts))  # [M * n, K], every prompt's samples in order
         return eval_metrics(rewards, self.reward_names, n, config.eval_pass_threshold, config.reward_weights)
@@ -171,18 +171,22 @@ def evaluate_model(config) -> dict:
     rank its share of the prompts; every rank returns the numbers)."""
     import transformers
 
+    from grpo_fast.environments import load_environment
     from grpo_fast.tasks import resolve_rewards
-    from grpo_fast.tools import ToolTemplate, resolve_tools
+    from grpo_fast.tools import resolve_tools
     from grpo_fast.trainer.model.build import check_model_source, load_model_and_tokenizer
-    from grpo_fast.trainer.rollout.tool_turns import ToolLoop
+    from grpo_fast.trainer.rollout.turns import turn_loop
 
-    tools = resolve_tools(config.tools)
+    tools, environment = resolve_tools(config.tools), load_environment(config.environment)
     check_model_source(config)
     transformers.set_seed(config.seed)
     runtime = Runtime.start(config)
     runtime.log(config.precision, "eval")
     model, tokenizer = load_model_and_tokenizer(config, runtime.flash_attention())
-    loop = ToolLoop(ToolTemplate(tokenizer, tools), config) if tools else None
-    funcs, names = resolve_rewards(config.reward_funcs, config.dataset, config.task)
-    rows = load_eval_rows(config, tokenizer, [tool.schema for tool in tools] or None)
+    loop = turn_loop(tokenizer, tools, environment, config)
+    funcs, names = resolve_rewards(config.reward_funcs, config.dataset, config.task, environment is not None)
+    if environment is None:
+        rows = load_eval_rows(config, tokenizer, [tool.schema for tool in tools] or None)
+    else:  # the episodes' reset gives each prompt
+        rows = load_eval_rows(config)
     return Evaluator(model.to(runtime.device), tokenizer, config, rows, funcs, names, runtime, loop)()

@@ -51,6 +51,17 @@ def _tool_metrics(counts, rows: int, ranks) -> dict:
     }
 
 
+def _env_metrics(counts, rows: int, ranks) -> dict:
+    """The environment's episodes over every rank's ``rows``: env/turns_mean (the model's turns
+    per episode), env/errors (episodes an error ended) and env/success (the share of scored
+    episodes whose reward reached eval_pass_threshold; NaN when none was scored), from each
+    row's ``counts`` [n, 4] (turns, errors, successes, scored); {} without an environment."""
+    if counts is None:
+        return {}
+    turns, errors, successes, scored = ranks.sum(counts.sum(0).double())
+    return {"env/turns_mean": turns / rows, "env/errors": errors, "env/success": successes / scored}
+
+
 class PhaseClock:
     """The seconds of a step's stages, read with its log line and never before: on CPU the host
     clock at each :meth:`mark`, on CUDA an event recorded on the stream there (no wait), so a
@@ -134,6 +145,7 @@ def log_line(
         **{f"rewards/{name}": rewards[:, k].nanmean() for k, name in enumerate(reward_names)},
         **sampling,
         **_tool_metrics(batch.samples.tool_counts, len(table), ranks),
+        **_env_metrics(batch.samples.env_counts, len(table), ranks),
     )
     *passes, stats = read_metrics([*passes, stats], ranks, runtime.device)
     elapsed = time.perf_counter() - clock.start
@@ -159,7 +171,10 @@ def log_line(
         **extra,
         **{key: stats[key] for key in sampling},
     )
-    metrics.update({key: stats[key] for key in stats if key.startswith("tools/")})
+    turn_keys = [key for key in stats if key.startswith(("tools/", "env/"))]
+    metrics.update({key: None if math.isnan(stats[key]) else stats[key] for key in turn_keys})
+    if "env/errors" in metrics:
+        metrics["env/errors"] = int(metrics["env/errors"])
     if dynamic_sampling:
         metrics.update(sampling_rounds=batch.samples.sampling_rounds, groups_dropped=batch.samples.dropped_groups)
     for name in reward_names:
