@@ -22,6 +22,7 @@ suffixes. An environment that raises, times out or answers out of protocol ends 
 with reward 0, counted (``env/errors``) and logged; the batch goes on.
 """
 
+import collections
 import inspect
 import logging
 import time
@@ -94,6 +95,7 @@ class Episodes(Turns):
         self.turn_start = [0] * N  # where each row's current turn starts in its completion
         self.stepped = [False] * N  # the environment has answered the row's last turn
         self.rewards: list = [None] * N  # each episode's reward (the sum of its steps')
+        self.failed: list = []  # (row, error) of the episodes that failed, until reported
         self.envs = self.prompts = None
         self.tables = [loop.tools] * N
         factory = loop.environment
@@ -266,6 +268,7 @@ class Episodes(Turns):
             if system is not None and first[0]["role"] != "system":
                 first = [{"role": "system", "content": system}, *first]
             prompts.append(self.template.prompt_text(first))
+        self._report()
         return prompts
 
     def _step(self, rows: list, messages: list) -> list:
@@ -288,9 +291,20 @@ class Episodes(Turns):
             if step.reward is not None:
                 self.rewards[row] = (self.rewards[row] or 0.0) + step.reward
             steps.append(step)
+        self._report()
         return steps
 
     def _fail(self, row: int, error: str) -> None:
-        """The row's environment failed: its episode ends with reward 0, counted and logged."""
+        """The row's environment failed: its episode ends with reward 0, counted (and logged by
+        :meth:`_report`)."""
         self.errors[row], self.rewards[row] = 1, 0.0
-        logger.warning("environment episode %d ended with reward 0: %s", row, error)
+        self.failed.append((row, error))
+
+    def _report(self) -> None:
+        """One log line for the episodes that failed since the last: how many, and each
+        distinct error (the first three) with its count."""
+        if self.failed:
+            errors = collections.Counter(error for _, error in self.failed)
+            said = "; ".join(f"{error} ({n}x)" for error, n in list(errors.items())[:3])
+            logger.warning("%d environment episode(s) ended with reward 0: %s", len(self.failed), said)
+            self.failed = []

@@ -33,6 +33,7 @@ TIMING_KEYS = (
     "peak_mem_bytes",
     "sync_time_s",
     "tools/seconds",
+    "env/seconds",
     # the step's stages: sampling and scoring, the batch (packing, advantages, reference pass),
     # the backward passes and optimizer steps (update/metrics.py's PhaseClock)
     "time/rollout_s",
