@@ -60,10 +60,19 @@ def setup(tmp_path_factory):
     return tokenizer, folder, datasets.Dataset.from_list(build_dataset(num_rows=64, seed=0))
 
 
-def make_trainer(cls, setup, reward_funcs=arithmetic_reward, peft_config=None, tools=None, ours=None, **options):
+def make_trainer(
+    cls,
+    setup,
+    reward_funcs=arithmetic_reward,
+    peft_config=None,
+    tools=None,
+    ours=None,
+    environment_factory=None,
+    **options,
+):
     """A TRL GRPOTrainer of class ``cls`` (stock or ours) on ``setup``'s model folder and rows,
-    CPU, no saving; ``options`` are GRPOConfig's; ``tools`` TRL's tool loop's (test_integration_trl_tools);
-    ``ours`` our constructor's own keywords (``shared_prefix``)."""
+    CPU, no saving; ``options`` are GRPOConfig's; ``tools`` and ``environment_factory`` TRL's tool
+    loop's (test_integration_trl_tools); ``ours`` our constructor's own keywords (``shared_prefix``)."""
     tokenizer, folder, dataset = setup
     options = {"per_device_train_batch_size": B, "num_generations": 4, "max_completion_length": T, **options}
     args = trl.GRPOConfig(
@@ -87,6 +96,7 @@ def make_trainer(cls, setup, reward_funcs=arithmetic_reward, peft_config=None, t
             processing_class=tokenizer,
             peft_config=peft_config,
             **({"tools": tools} if tools else {}),
+            **({"environment_factory": environment_factory} if environment_factory else {}),
             **(ours or {}),
         )
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train() otherwise

@@ -89,16 +89,42 @@ def scripted_generation(trainer):
     trainer._generate_single_turn = generate
 
 
-def make_trainer(cls, setup, **options):
-    """test_integration_trl's trainer with the tool ``add``, its tokenizer's template and scripted turns."""
+class Adder:
+    """A TRL ``environment_factory`` class, as TRL's docs write them: ``reset(**row)``, a tool
+    method bound to its episode, state that a reward function reads (``environments=``)."""
+
+    def reset(self, **row) -> str | None:
+        self.calls = 0
+        return None
+
+    def add(self, a: int, b: int) -> int:
+        """Adds two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.calls += 1
+        return a + b
+
+
+def called_once_reward(prompts, completions, environments, answer, **columns):
+    """1 for a completion whose episode called add once and answered right."""
+    return [float(e.calls == 1 and c[-1]["content"].strip() == a) for c, e, a in zip(completions, environments, answer)]
+
+
+def make_trainer(cls, setup, environment: bool = False, **options):
+    """test_integration_trl's trainer with the tool ``add`` (or the environment ``Adder``, whose
+    method it is), its tokenizer's template and scripted turns."""
     options = {
         "per_device_train_batch_size": G,
         "num_generations": G,
         "max_completion_length": MAX_COMPLETION,
         **options,
     }
+    tools = dict(environment_factory=Adder, reward_funcs=called_once_reward) if environment else dict(tools=[add])
     trainer = make_trl_trainer(
-        cls, setup, reward_funcs=final_answer_reward, tools=[add], max_tool_calling_iterations=2, **options
+        cls, setup, **{"reward_funcs": final_answer_reward, **tools}, max_tool_calling_iterations=2, **options
     )
     scripted_generation(trainer)
     return trainer
@@ -253,3 +279,19 @@ def test_train_steps_with_tools_match_trl(setup):
         assert our_log["tools/failure_frequency"] == pytest.approx(1 / 3)
         for key in ("loss", "reward", "entropy", "kl", "clip_ratio/region_mean", "completions/mean_length"):
             assert our_log[key] == pytest.approx(log[key], rel=1e-4, abs=1e-6), key
+
+
+def test_an_environment_factory_trains_as_in_trl(setup):
+    """TRL's ``environment_factory`` passed through our drop-in to TRL, unchanged: one
+    ``train()`` step, the same loss, rewards (read from the episodes' instances) and tool
+    metrics as stock TRL (our trainer runs the same class: test_environments.py)."""
+    options = dict(max_steps=1, learning_rate=1e-2, seed=7, beta=0.04, loss_type="dapo")
+    logs = []
+    for cls in (trl.GRPOTrainer, GRPOTrainer):
+        trainer = make_trainer(cls, setup, environment=True, **options)
+        trainer.train()
+        logs.append(trainer.state.log_history[0])
+    stock, ours = logs
+    assert stock["rewards/called_once_reward/mean"] == 0.25  # one completion of four calls add with 2 and 3
+    for key in ("loss", "reward", "tools/call_frequency", "tools/failure_frequency", "entropy", "kl"):
+        assert ours[key] == pytest.approx(stock[key], rel=1e-4, abs=1e-6), key
