@@ -25,7 +25,7 @@ from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer.model.build import reference_context
 from grpo_fast.trainer.rollout import turns
 from grpo_fast.trainer.rollout.turns import turn_loop
-from grpo_fast.trainer.run.run_log import read_completions
+from grpo_fast.trainer.run.run_log import read_completions, read_metrics
 
 ROWS = [{"prompt": f"{a}*{b}", "answer": str(a * b)} for a, b in ((347, 28), (120, 11), (999, 99), (500, 50))]
 OPTIONS = dict(batch_size=8, group_size=4, max_new_tokens=16, max_turns=3, progress=False, save_every=0)
@@ -263,6 +263,12 @@ def test_async_environments_step_concurrently(tmp_path, model, tokenizer):
     assert metrics["env/errors"] == 0 and AsyncSeven.most > 1
 
 
+def test_the_hf_engine_runs_episodes(tmp_path, model, tokenizer):
+    """generator='hf' continues each episode from its token ids after the observations."""
+    metrics = trainer_in(tmp_path, model, tokenizer, NotSeven, generator="hf").train_step()
+    assert metrics["env/turns_mean"] > 1 and metrics["env/errors"] == 0
+
+
 class GuessGame:
     """A TRL environment_factory class, as TRL's docs write them: reset(**row), one tool."""
 
@@ -421,3 +427,29 @@ def test_cli_eval_runs_an_environment(tmp_path, model, tokenizer):
     assert main([*args, "--max-turns", "2", "--max-new-tokens", "12", "-n", "2", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert "eval/pass@1" in result["metrics"] and result["metrics"]["eval/reward_mean"] is not None
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_environment_as_one_process(tmp_path, model, tokenizer):
+    """``torchrun --nproc-per-node 2 -m grpo_fast train --environment ...`` (the tool task's
+    tokenizer and an untrained model, saved, whose turns seldom end before the budget: the
+    multi-turn mechanics are the other tests'): each rank runs its share of the episodes, and the
+    log lines, env/* counts summed over ranks, equal one process's run to 1e-4."""
+    from conftest import assert_rows_close, one_thread, start_child, torchrun_command
+
+    from grpo_fast.cli import main
+
+    folder = str(tmp_path / "model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in ROWS * 2))
+    train = ["train", "--model", folder, "--dataset", str(data), "--environment", "test_environments:NotSeven"]
+    train += ["--max-turns", "3", "--steps", "2", "--batch-size", "16", "-G", "4", "--max-new-tokens", "12"]
+    train += ["--no-progress", "--save-every", "0"]
+    with start_child(torchrun_command("-m", "grpo_fast", *train, "--output", str(tmp_path / "two"))) as job:
+        assert one_thread(lambda: main([*train, "--output", str(tmp_path / "one")])) == 0
+    assert job.returncode == 0, job.stderr[-3000:]
+    two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
+    assert all(m["env/turns_mean"] >= 1 and m["env/errors"] == 0 for m in two)
+    assert_rows_close(two, one, rel=1e-4)

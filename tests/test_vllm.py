@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import completion_logprobs, run_child, torchrun_command
 
+from grpo_fast.environments import Environment, EnvStep
 from grpo_fast.tasks.arithmetic import build_dataset, build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer.run import checkpoint as ckpt
@@ -296,10 +297,25 @@ def test_the_rollout_worker_runs_the_engine_with_the_weights_of_each_batch(tmp_p
     assert staleness == [0, 1, 1]
 
 
-def test_the_tool_task_trains_on_the_engine(tmp_path, monkeypatch):
-    """``--task tool_arithmetic --tools calculator --generator vllm``: the engine runs the tool
-    loop from token ids (the task's model and its chat template through the engine's weights
-    folder), and the log line has the tools' metrics and TRL's sampling metrics."""
+class Checked(Environment):
+    """Answers a wrong final answer with "wrong" (the model may try again), a right one with reward 1."""
+
+    def reset(self, row):
+        self.answer = row["answer"]
+        return row["prompt"]
+
+    def step(self, message):
+        if message["content"].strip() == self.answer:
+            return EnvStep([], True, 1.0)
+        return EnvStep("wrong", False, 0.0)
+
+
+def test_the_tool_task_trains_on_the_engine_in_an_environment(tmp_path, monkeypatch):
+    """``--task tool_arithmetic --tools calculator --generator vllm`` with an environment that
+    checks the answers: the engine runs the turns from token ids (the calculator's results and
+    the environment's answers; the task's model and its chat template through the engine's
+    weights folder), and the log line has the tools', the environment's and TRL's sampling
+    metrics."""
     import functools
 
     from grpo_fast.tasks import tool_arithmetic
@@ -317,6 +333,7 @@ def test_the_tool_task_trains_on_the_engine(tmp_path, monkeypatch):
             output_dir=str(tmp_path / "run"),
         )
     )
-    history = GRPOTrainer(config).train()
+    history = GRPOTrainer(config, environment=Checked).train()
     assert len(history) == 2 and all(m["tools/call_frequency"] > 0 for m in history)
+    assert all(m["env/turns_mean"] > 1 and m["env/errors"] == 0 for m in history)
     assert all(m["sampling/sampling_logp_difference/max"] < 1e-3 for m in history)
