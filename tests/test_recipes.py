@@ -10,6 +10,8 @@ names, in rows shaped like the Hub dataset's (GSM8K's "#### 42" answers, MATH's 
 solutions, MBPP's test lists). A new recipe is covered as soon as it exists; one whose dataset
 has no rows below fails, asking for them. A recipe with tools is also scored on trajectories
 (message lists, as the tool loop gives the rewards), and its one step runs with the tools on.
+A recipe with an environment is scored on episodes played through it (each completion an
+attempt; a wrong one, then the right one after the feedback), and its one step runs the episodes.
 """
 
 import glob
@@ -178,6 +180,22 @@ def hub_rows(name):
     return HUB_ROWS[name]
 
 
+def play(environment, row: dict, turns: list) -> tuple:
+    """An episode of ``environment`` (the trainer's factory) on ``row`` in which the model says
+    ``turns`` (until one ends it), as the turn loop gives it to the rewards: ``(the model's turns
+    and the observations between them, the episode's reward: the sum of its steps', its state)``."""
+    env, messages, observations, reward = environment(), [], [], None
+    env.reset(row)
+    for content in turns:
+        messages += observations  # what answered the previous turn
+        messages.append({"role": "assistant", "content": content})
+        observations, done, step_reward = env.step(messages[-1])
+        reward = reward if step_reward is None else (reward or 0.0) + step_reward
+        if done:
+            break
+    return messages, reward, env.state
+
+
 def local_config(path, tmp_path, model, **overrides) -> GRPOConfig:
     """The recipe with its model and datasets swapped for local ones: everything else, the
     column mapping, the system prompt and the rewards included, as the recipe has it."""
@@ -204,6 +222,9 @@ def test_the_recipe_is_a_valid_config_with_its_command_in_the_header(path):
     if config.tools:
         assert config.max_new_tokens >= 2 * config.max_tool_response_tokens, "room for turns and results"
         assert re.search(r"Predicted time:.*sandbox", header, re.DOTALL), "the time counts the tool calls"
+    if config.environment:
+        assert config.max_turns is not None, "an episode's attempts are bounded"
+        assert re.search(r"Predicted time:.*sandbox", header, re.DOTALL), "the time counts the environment's steps"
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=recipe_id)
@@ -212,23 +233,30 @@ def test_the_column_mapping_reaches_the_rewards(path, tmp_path, tiny_model):
     sum of the weights, the right answer in another layout less, a wrong answer less still."""
     config = local_config(path, tmp_path, tiny_model, generator="sampler", report_to=None)
     trainer = GRPOTrainer(config)
+    episode = {"environment_reward": 0.0} if config.environment else {}  # the column the turn loop adds
     try:
-        rows, funcs = trainer.rows, trainer.reward_funcs
-        check_reward_columns(rows, funcs, "dataset")
-        check_reward_columns(load_eval_rows(config, trainer.tokenizer), funcs)
+        rows, funcs, environment = trainer.rows, trainer.reward_funcs, trainer.environment
+        check_reward_columns([{**rows[0], **episode}], funcs, "dataset")
+        check_reward_columns([{**load_eval_rows(config, trainer.tokenizer)[0], **episode}], funcs)
+        # in an environment the model sees the prompt its episodes' reset gives, as the template renders it
+        prompt = trainer.turn_loop(rows[:1], 1).prompts[0] if environment else rows[0]["prompt"]
     finally:
         trainer.close()
     hub_name = GRPOConfig.from_yaml(path).dataset
     _, right, unformatted, wrong = hub_rows(hub_name)
     row = rows[0]  # the file's first row: the loader keeps the order
     assert row.get("answer") == REFERENCE_ANSWERS[hub_name], "the rewards get the clean final answer"
-    assert PROMPT_SHOWS[hub_name] in row["prompt"], "the prompt shows what the model must answer"
+    assert PROMPT_SHOWS[hub_name] in prompt, "the prompt shows what the model must answer"
     if "format_reward" in config.reward_funcs:
-        assert "<think>" in row["prompt"] and "<answer>" in row["prompt"], "the prompt asks for the checked format"
+        assert "<think>" in prompt and "<answer>" in prompt, "the prompt asks for the checked format"
     for name in config.tools or []:
         assert f'"name": "{name}"' in row["prompt"], "the prompt shows the tool's schema"
     completions = [right, unformatted, wrong]
     columns = {key: [value] * 3 for key, value in row.items() if key != "prompt"}
+    if environment:  # each completion is the one attempt of an episode
+        completions, columns["environment_reward"], columns["environments"] = map(
+            list, zip(*(play(environment, row, [completion]) for completion in completions))
+        )
     rewards = score(funcs, [row["prompt"]] * 3, completions, columns)  # [3, K]
     weights = torch.tensor(config.reward_weights or [1.0] * len(funcs))
     total = (rewards * weights).sum(1).tolist()
@@ -247,6 +275,13 @@ def test_the_column_mapping_reaches_the_rewards(path, tmp_path, tiny_model):
         total = (rewards * weights).sum(1).tolist()
         assert total[0] == pytest.approx(weights.sum().item()), dict(zip(config.reward_funcs, rewards[0].tolist()))
         assert total[0] >= config.eval_pass_threshold > total[1], total
+    if environment:  # a wrong attempt, then the right one after the environment's answer, scores as right
+        trajectory, reward, _ = play(environment, row, [wrong, right])
+        assert [m["role"] for m in trajectory] == ["assistant", "user", "assistant"], trajectory
+        columns = {key: [value] for key, value in row.items() if key != "prompt"}
+        rewards = score(funcs, [row["prompt"]], [trajectory], {**columns, "environment_reward": [reward]})
+        total = (rewards * weights).sum(1).tolist()
+        assert total[0] == pytest.approx(weights.sum().item()), dict(zip(config.reward_funcs, rewards[0].tolist()))
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=recipe_id)
@@ -277,6 +312,8 @@ def test_one_training_step_of_the_recipe(path, tmp_path, tiny_model):
     assert os.path.isdir(tmp_path / "run" / "final")
     if config.tools:  # the step ran the tool loop (the tiny random model rarely calls a tool)
         assert "tools/call_frequency" in history[0] and "tools/turns_mean" in history[0], sorted(history[0])
+    if config.environment:  # the step played its episodes
+        assert "env/turns_mean" in history[0] and "env/success" in history[0], sorted(history[0])
 
 
 def predicted_peak_bytes(config: GRPOConfig) -> float:

@@ -36,7 +36,7 @@ import symtable
 from concurrent.futures import ThreadPoolExecutor
 
 from grpo_fast.rewards.base import check_batch, completion_texts
-from grpo_fast.sandbox import JUDGE_MODULES, SandboxLimits, run_judged, run_python
+from grpo_fast.sandbox import JUDGE_MODULES, SandboxLimits, SandboxResult, run_judged, run_python
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -215,15 +215,34 @@ def _checked(result):
     return result
 
 
-def _run_job(job, limits: SandboxLimits, require_isolation: bool) -> int:
-    """One sandboxed run; returns the number of tests it passed."""
-    code, spec, case = job
+def run_test(
+    code: str, spec: dict, case, limits: SandboxLimits, require_isolation: bool = False
+) -> tuple[int, SandboxResult]:
+    """One sandboxed run of program `code` against `spec` (as normalize_tests makes it; `case`:
+    one of its input/output pairs for "io", else None): `(tests passed, the run)`. Raises
+    RuntimeError where the sandbox cannot start or the tests themselves cannot run."""
     if spec["kind"] == "io":
         test_input, expected = case
         result = _checked(run_python(code, stdin=test_input, limits=limits, require_isolation=require_isolation))
-        return int(result.ok and _same_output(result.stdout, expected))
+        return int(result.ok and _same_output(result.stdout, expected)), result
     result = _checked(run_judged(code, spec, limits=limits, require_isolation=require_isolation))
-    return min(result.passed or 0, _test_count(spec))
+    return min(result.passed or 0, _test_count(spec)), result
+
+
+def _run_job(job, limits: SandboxLimits, require_isolation: bool) -> int:
+    """code_reward's one run of `job` = (program, spec, case): the number of tests it passed."""
+    return run_test(*job, limits, require_isolation)[0]
+
+
+def split_tests(spec: dict) -> list[tuple[dict, object]]:
+    """Each test of `spec` as a run of its own: `(spec, case)` pairs for run_test, in the tests'
+    order (an assert list one spec per statement, each input/output pair its case, HumanEval's
+    check() as it is), so that a caller can tell which test failed first."""
+    if spec["kind"] == "io":
+        return [(spec, case) for case in spec["cases"]]
+    if spec["kind"] == "asserts":
+        return [({**spec, "asserts": [statement]}, None) for statement in spec["asserts"]]
+    return [(spec, None)]
 
 
 def code_reward(
