@@ -31,6 +31,7 @@ FORBIDDEN = [
     ("grpo_fast.sandbox", ("grpo_fast.trainer", "grpo_fast.rewards", "grpo_fast.tools", "grpo_fast.tasks")),
     ("grpo_fast.rewards", ("grpo_fast.trainer", "grpo_fast.tasks", "grpo_fast.tools")),
     ("grpo_fast.tools", ("grpo_fast.trainer", "grpo_fast.tasks")),
+    ("grpo_fast.environments", ("grpo_fast.trainer", "grpo_fast.tasks", "grpo_fast.integrations")),
     ("grpo_fast.tasks", ("grpo_fast.trainer",)),
     ("grpo_fast.integrations", ("grpo_fast.trainer",)),
     ("grpo_fast.packing", ("grpo_fast.trainer", "grpo_fast.integrations")),

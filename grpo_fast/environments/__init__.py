@@ -9,21 +9,15 @@ An environment is one episode's state, made fresh for each episode by a factory 
 Its observations join the sequence as tool results do (the chat template's suffix,
 token-in/token-out) and stay out of the loss; the rollout loop that drives the episodes is
 ``grpo_fast.trainer.rollout.turns``. ``protocol.py`` holds the protocol and the adapter that
-runs TRL's ``environment_factory`` classes unchanged; the built-in environments
-(:data:`ENVIRONMENTS`) and the verifiers adapter sit beside it.
+runs TRL's ``environment_factory`` classes unchanged, ``factory.py`` the factory; the built-in
+environments (:data:`ENVIRONMENTS`) and the verifiers adapter sit beside them.
 
 May import ``grpo_fast.tools``, ``grpo_fast.sandbox`` and ``grpo_fast.rewards``; never the
 trainer or the tasks (a task may use an environment). Importing this package loads neither
 torch nor transformers.
 """
 
-from grpo_fast.environments.protocol import (
-    ENVIRONMENTS,
-    Environment,
-    EnvironmentFactory,
-    EnvStep,
-    TRLEnvironment,
-    load_environment,
-)
+from grpo_fast.environments.factory import ENVIRONMENTS, EnvironmentFactory, load_environment
+from grpo_fast.environments.protocol import Environment, EnvStep, TRLEnvironment
 
 __all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentFactory", "TRLEnvironment", "load_environment"]
