@@ -64,6 +64,14 @@ class TurnLoop:
     def __call__(self, rows: list, group_size: int) -> "Episodes":
         return Episodes(self, rows, group_size)
 
+    def columns(self) -> dict:
+        """What the rewards get from an episode besides the dataset's columns (``Episodes.columns``),
+        for one empty episode: the names and the kind of value, to check reward functions by."""
+        out = {"tool_calls": [0], "tool_failures": [0]} if self.template.tools else {}
+        if self.environment is not None:
+            out.update(environments=[None], environment_reward=[0.0])
+        return out
+
     def copy(self) -> "TurnLoop":
         """The same loop with its own seconds (the evaluation's are not the training step's)."""
         return TurnLoop(self.template, self.config, self.environment)

@@ -65,15 +65,17 @@ def load_eval_rows(config, tokenizer=None, tools: list | None = None) -> list:
     )
 
 
-def check_reward_columns(rows: list, reward_funcs: list, what: str = "eval_dataset") -> None:
+def check_reward_columns(rows: list, reward_funcs: list, what: str = "eval_dataset", turn_loop=None) -> None:
     """ValueError naming the reward and the dataset's columns when a reward function cannot
-    score the first row (an empty completion) with its columns: a missing answer column fails
-    here rather than at the first evaluation."""
+    score the first row (an empty completion) with its columns, and those ``turn_loop`` adds
+    (tool counts, the environment's rewards: ``TurnLoop.columns``): a missing answer column
+    fails here rather than at the first evaluation."""
     row = rows[0]
     columns = {key: [value] for key, value in row.items() if key != "prompt"}
+    columns.update(turn_loop.columns() if turn_loop is not None else {})
     for func in reward_funcs:
         try:
-            score([func], [row["prompt"]], [""], columns)
+            score([func], [row.get("prompt", "")], [""], columns)
         except RewardError as exc:
             raise ValueError(
                 f"{what} lacks what reward {getattr(func, '__name__', func)!r} needs; its columns are "
@@ -125,7 +127,7 @@ class Evaluator:
         config = self.config
         if not self.rows:
             raise ValueError("the eval dataset has no rows")
-        check_reward_columns(self.rows, self.reward_funcs)
+        check_reward_columns(self.rows, self.reward_funcs, turn_loop=self.turn_loop)
         self.runtime = self.runtime or Runtime.of(self.model)
         temperature = config.temperature if config.eval_temperature is None else config.eval_temperature
         settings = EngineSettings.of(config, temperature=temperature)
