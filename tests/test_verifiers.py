@@ -30,7 +30,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def factory():
     """The factory of a Taskset object, as a Python user passes one."""
-    return EnvironmentFactory(verifiers_factory(_vf_toy.ToyTaskset(vf.TasksetConfig())))
+    return EnvironmentFactory(_vf_toy.ToyTaskset(vf.TasksetConfig()))
 
 
 def run_episodes(factory, tokenizer, row: dict, scripts: list) -> tuple:
@@ -107,9 +107,9 @@ def test_a_stop_hook_ends_the_episode_where_verifiers_would(factory, tokenizer):
 
 
 def test_a_training_step_on_a_verifiers_environment(tmp_path, tokenizer):
-    """``environment="verifiers:_vf_toy"`` in the config: the prompts show the taskset's tool,
-    every episode is scored by its rubric (environment_reward, the default reward, is each
-    trace's reward), no episode fails."""
+    """``environment="verifiers:_vf_toy"`` in the config: the rows are its tasks, the prompts show
+    the taskset's tool, every episode is scored by its rubric (environment_reward, the default
+    reward, is each trace's reward), no episode fails."""
     seen = {}
 
     def traces(prompts, completions, environments, environment_reward, **columns):
@@ -118,10 +118,9 @@ def test_a_training_step_on_a_verifiers_environment(tmp_path, tokenizer):
 
     config = GRPOConfig(**OPTIONS, environment="verifiers:_vf_toy", output_dir=str(tmp_path / "run"))
     model = tool_arithmetic.build_model(tokenizer, seed=0)
-    rows = verifiers_rows("_vf_toy")
-    trainer = GRPOTrainer(
-        config, model=model, tokenizer=tokenizer, rows=rows, reward_funcs=["environment_reward", traces]
-    )
+    assert config.dataset == "verifiers:_vf_toy"
+    trainer = GRPOTrainer(config, model=model, tokenizer=tokenizer, reward_funcs=["environment_reward", traces])
+    assert trainer.rows == verifiers_rows("_vf_toy")
     assert "calculator_add(a, b)" in trainer.source.next(0, 0).prompts[0]
     metrics = trainer.train_step()
     assert metrics["env/errors"] == 0 and "rewards/environment_reward" in metrics

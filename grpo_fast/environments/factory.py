@@ -4,6 +4,7 @@ classes (wrapped in :class:`~grpo_fast.environments.protocol.TRLEnvironment`), o
 taskset (``verifiers:<id>``, ``verifiers.py``)."""
 
 import importlib
+import sys
 from dataclasses import replace
 
 from grpo_fast.environments.protocol import Environment, TRLEnvironment
@@ -18,8 +19,9 @@ ENVIRONMENTS = {
 
 class EnvironmentFactory:
     """Makes a fresh :class:`Environment` per episode from ``spec``: a built-in name
-    (:data:`ENVIRONMENTS`), ``"package.module:Class"``, or a class / zero-argument callable
-    (TRL's ``environment_factory``). One probe instance, made here, checks it and gives the
+    (:data:`ENVIRONMENTS`), ``"package.module:Class"``, a class / zero-argument callable (TRL's
+    ``environment_factory``), or a verifiers taskset (``"verifiers:<taskset id>"`` or a
+    ``vf.Taskset``). One probe instance, made here, checks it and gives the
     tools' schemas (before any model loads).
 
     Attributes:
@@ -78,6 +80,11 @@ def _factory_of(spec):
             spec = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"environment {path!r} cannot be imported: {exc}") from exc
+    verifiers = sys.modules.get("verifiers.v1")  # a taskset object: verifiers is imported
+    if verifiers is not None and isinstance(spec, verifiers.Taskset):
+        from grpo_fast.environments.verifiers import verifiers_factory
+
+        return verifiers_factory(spec)
     if not callable(spec):
         raise TypeError(f"environment must be a class or a zero-argument callable, got {spec!r}")
     return spec

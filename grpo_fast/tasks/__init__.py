@@ -1,5 +1,6 @@
 """Prompt sources and their reward functions: a built-in task (the arithmetic demo, the
-tool-use task), a dataset, or reasoning-gym's generated tasks (``reasoning_gym:<task>``).
+tool-use task), a dataset, reasoning-gym's generated tasks (``reasoning_gym:<task>``), or a
+verifiers taskset's tasks (``verifiers:<taskset id>``, played in its environment).
 
 Reward functions are named in configs: a built-in task's name (its reward), a reward function of
 ``grpo_fast.rewards`` (its ``REWARD_FUNCTIONS``: ``math_reward``, ``format_reward``, ...), or
@@ -9,6 +10,7 @@ Reward functions are named in configs: a built-in task's name (its reward), a re
 import importlib
 from collections.abc import Callable
 
+from grpo_fast.environments.verifiers import is_verifiers, verifiers_rows
 from grpo_fast.tasks.reasoning_gym import is_reasoning_gym, reasoning_gym_rows
 
 # The built-in tasks (--task NAME, without --dataset): name -> "module:reward function", imported
@@ -18,11 +20,16 @@ from grpo_fast.tasks.reasoning_gym import is_reasoning_gym, reasoning_gym_rows
 TASKS = {
     "arithmetic": "grpo_fast.tasks.arithmetic:arithmetic_reward",
     "tool_arithmetic": "grpo_fast.tasks.tool_arithmetic:tool_arithmetic_reward",
+    "guess_number": "grpo_fast.tasks.guess_number:environment_reward",
 }
 # A task's own defaults, which replace the config's where a field holds its default
 # (GRPOConfig.__post_init__): the tool task's trajectory (a call, the calculator's answer, the
-# final answer) needs about 22 tokens.
-TASK_SETTINGS = {"tool_arithmetic": {"max_new_tokens": 32}}
+# final answer) needs about 22 tokens; guess_number plays in its environment, 3 guesses of 2
+# tokens and 2 answers of 10 (26 tokens), and evaluates on its balanced games.
+TASK_SETTINGS = {
+    "tool_arithmetic": {"max_new_tokens": 32},
+    "guess_number": {"environment": "guess_number", "max_turns": 3, "max_new_tokens": 32},
+}
 DATASET_REWARDS = ("math_reward",)
 REASONING_GYM_REWARDS = ("reasoning_gym_reward",)
 
@@ -85,7 +92,9 @@ def load_rows(
     """Prompt rows: the built-in ``task``'s when ``dataset`` is None (``hold_out``: without its
     held-out rows; ``held_out``: those rows alone), else the dataset's: reasoning-gym's
     generated rows for ``reasoning_gym:<task>`` (from ``seed``, or ``held_out``: the eval rows'
-    seed; see ``grpo_fast.tasks.reasoning_gym``), else a file's or the Hub's.
+    seed; see ``grpo_fast.tasks.reasoning_gym``), a verifiers taskset's tasks for
+    ``verifiers:<taskset id>`` (rows for its environment, which renders their prompts: no
+    ``tokenizer``), else a file's or the Hub's.
 
     ``tools``: the tools' JSON schemas, which a chat template shows in every prompt.
     ``options``: prompt_column, prompt_template, answer_column, system_prompt, config, split (see
@@ -103,6 +112,10 @@ def load_rows(
         return reasoning_gym_rows(
             dataset, tokenizer=tokenizer, seed=seed, held_out=held_out, system_prompt=system_prompt, tools=tools
         )
+    if is_verifiers(dataset):
+        if tokenizer is not None:
+            raise ValueError(f"dataset {dataset!r}: a verifiers taskset's tasks play in its environment: give it too")
+        return verifiers_rows(dataset)
     rows = load_prompt_dataset(dataset, tokenizer=tokenizer, tools=tools, **options)
     if not rows:
         raise ValueError(f"dataset {dataset!r} has no rows")

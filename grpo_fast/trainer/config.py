@@ -9,6 +9,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from grpo_fast.environments.verifiers import is_verifiers
 from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option, option_default
 from grpo_fast.tasks import TASK_SETTINGS
 from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
@@ -70,7 +71,8 @@ class GRPOConfig(LossConfig):
     )
     dataset: str | None = option(
         None,
-        "a Hub dataset name (openai/gsm8k), or a JSONL / CSV / Parquet file or dataset folder; None = the demo",
+        "a Hub dataset name (openai/gsm8k), a JSONL / CSV / Parquet file or dataset folder, or verifiers:<taskset "
+        "id> (its tasks); None = the demo, or with environment verifiers:<taskset id> its tasks",
         topic=DATA,
     )
     dataset_config: str | None = option(
@@ -277,11 +279,14 @@ class GRPOConfig(LossConfig):
     def __post_init__(self):
         """Fields may be edited one by one: validation waits for ``validate()``. A built-in
         task's own defaults (``TASK_SETTINGS``) replace the config's where a field holds its
-        default (the tool task's trajectory needs max_new_tokens 32, not the demo's 4)."""
+        default (the tool task's trajectory needs max_new_tokens 32, not the demo's 4). A verifiers
+        environment (``verifiers:<taskset id>``) without a dataset plays its taskset's tasks."""
         defaults = {f.name: option_default(f) for f in dataclasses.fields(self)}
         for name, value in TASK_SETTINGS.get(self.task, {}).items():
             if getattr(self, name) == defaults[name]:
                 setattr(self, name, value)
+        if self.dataset is None and self.task is None and is_verifiers(self.environment):
+            self.dataset = self.environment
 
     @property
     def prompts_per_step(self) -> int:
