@@ -196,3 +196,15 @@ def test_two_steps_of_the_demo_model_train_and_evaluate(tmp_path):
     with open(tmp_path / "completions.jsonl") as f:
         logged = [json.loads(line) for line in f]
     assert logged and all(any(q in row["prompt"] for q in questions(trainer.rows)) for row in logged)
+
+
+def test_without_an_eval_dataset_the_eval_rows_are_its_held_out_rows():
+    """``--dataset reasoning_gym:<task> --eval-every N`` evaluates on the task's own held-out rows
+    (the eval seed range: test_eval_rows_never_meet_the_training_rows), as a built-in task does."""
+    from grpo_fast.trainer import GRPOConfig
+    from grpo_fast.trainer.run.evaluation import load_eval_rows
+
+    config = GRPOConfig(dataset=f"{SMALL_SUMS}&size=16", eval_every=1, steps=2)
+    held = load_eval_rows(config)
+    explicit = load_eval_rows(GRPOConfig(dataset=config.dataset, eval_dataset=config.dataset, eval_every=1, steps=2))
+    assert held == explicit and held and held != load_rows(config.dataset)[: len(held)]

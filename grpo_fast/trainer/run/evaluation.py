@@ -46,16 +46,21 @@ def demo_holds_out(config) -> bool:
 
 def load_eval_rows(config, tokenizer=None, tools: list | None = None) -> list:
     """The eval prompts of ``config``: its ``eval_dataset`` (read as ``dataset`` is), or, for
-    a built-in task, its held-out rows. ``tools``: the schemas the prompts show."""
+    a built-in task or a reasoning-gym dataset, its held-out rows. ``tools``: the schemas the
+    prompts show."""
     from grpo_fast.tasks import load_rows
+    from grpo_fast.tasks.reasoning_gym import is_reasoning_gym
 
-    if config.eval_dataset is None and config.dataset is not None:
-        raise ValueError(
-            "eval needs eval_dataset (a held-out file or folder of prompts): only a built-in task has "
-            f"a held-out split of its own, and dataset={config.dataset!r} is given"
-        )
+    held_out = config.eval_dataset
+    if held_out is None and config.dataset is not None:
+        if not is_reasoning_gym(config.dataset):
+            raise ValueError(
+                "eval needs eval_dataset (a held-out file or folder of prompts): only a built-in task or a "
+                f"reasoning-gym dataset has a held-out split of its own, and dataset={config.dataset!r} is given"
+            )
+        held_out = config.dataset  # its held-out rows come from a seed range of their own
     return load_rows(
-        config.eval_dataset,
+        held_out,
         tokenizer=tokenizer,
         split=config.eval_split,
         task=config.task,
