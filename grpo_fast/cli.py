@@ -27,6 +27,7 @@ import types
 import typing
 
 from grpo_fast.spec import option_default
+from grpo_fast.trainer.checks import check_model_source
 from grpo_fast.trainer.config import TOPICS, GRPOConfig
 from grpo_fast.trainer.trl_names import TRL_ALIASES, TRL_INSTEAD
 
@@ -230,6 +231,7 @@ def make_config(args: argparse.Namespace) -> GRPOConfig:
 
 def train(args: argparse.Namespace) -> int:
     config = make_config(args)  # validated before torch loads: a bad setting fails in a moment
+    check_model_source(config)  # an unreachable Hub model too
     import torch
 
     from grpo_fast.trainer import GRPOTrainer, distributed

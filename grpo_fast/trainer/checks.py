@@ -1,9 +1,11 @@
 """The config's checks that span several settings: the turns of a rollout (task, tools,
-environment, their limits and engine) and the asynchronous worker's. ``GRPOConfig.validate``
-calls them; each raises ValueError naming the first inconsistent setting, before anything loads."""
+environment, their limits and engine) and the asynchronous worker's, which
+``GRPOConfig.validate`` calls; and that a Hub model can be reached. Each raises ValueError
+naming the first inconsistent setting, before anything loads."""
 
 from grpo_fast.environments import ENVIRONMENTS
 from grpo_fast.tasks import TASKS
+from grpo_fast.tasks.datasets import is_local_path
 from grpo_fast.tools import TOOLS
 from grpo_fast.trainer.choices import TURN_ENGINES, check_device
 
@@ -96,3 +98,24 @@ def check_asynchrony(config) -> None:
     )
     if config.generation_device is not None:
         check_device("generation_device", config.generation_device)
+
+
+def check_model_source(config) -> None:
+    """Raises ValueError, before anything loads, when ``config.model`` is a Hub name that
+    cannot be reached: not in the local cache and offline (``HF_HUB_OFFLINE=1``, or no
+    network), or not on the Hub (a typo, a private repository). Its config file is what is
+    fetched (a few KB), so a reachable model costs nothing more here; only huggingface_hub is
+    imported (the command line checks before torch and transformers load)."""
+    if config.model is None or is_local_path(config.model):
+        return
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        hf_hub_download(config.model, "config.json", revision=config.model_revision)
+    except (OSError, HfHubHTTPError) as exc:
+        raise ValueError(
+            f"model {config.model!r} (revision {config.model_revision or 'default'}): offline or not found on the "
+            f"Hub ({str(exc).splitlines()[0]}); pass a local folder that from_pretrained reads "
+            "(--model ./my-model), or connect and unset HF_HUB_OFFLINE"
+        ) from exc

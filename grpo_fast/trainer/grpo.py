@@ -36,9 +36,9 @@ from grpo_fast.environments import load_environment
 from grpo_fast.tasks import load_rows, resolve_rewards
 from grpo_fast.tools import resolve_tools
 from grpo_fast.trainer import distributed
+from grpo_fast.trainer.checks import check_model_source
 from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.model.build import (
-    check_model_source,
     load_model_and_tokenizer,
     make_reference,
     prepare_policy,

@@ -10,28 +10,8 @@ import torch
 
 from grpo_fast.packing import Packed
 from grpo_fast.spec import LossConfig
-from grpo_fast.tasks.datasets import is_local_path
 from grpo_fast.trainer import distributed
 from grpo_fast.trainer.model.packed_policy import PackedPolicy, filler
-
-
-def check_model_source(config) -> None:
-    """Raises ValueError, before anything loads, when ``config.model`` is a Hub name that
-    cannot be reached: not in the local cache and offline (``HF_HUB_OFFLINE=1``, or no
-    network), or not on the Hub (a typo, a private repository). Its config file is what is
-    fetched (a few KB), so a reachable model costs nothing more here."""
-    if config.model is None or is_local_path(config.model):
-        return
-    from transformers.utils import cached_file
-
-    try:
-        cached_file(config.model, "config.json", revision=config.model_revision)
-    except OSError as exc:
-        raise ValueError(
-            f"model {config.model!r} (revision {config.model_revision or 'default'}): offline or not found on the "
-            f"Hub ({str(exc).splitlines()[0]}); pass a local folder that from_pretrained reads "
-            "(--model ./my-model), or connect and unset HF_HUB_OFFLINE"
-        ) from exc
 
 
 def load_model_and_tokenizer(config, flash_attention: bool = False, before_model=None, tools: bool = False):

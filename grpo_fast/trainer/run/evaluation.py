@@ -181,7 +181,8 @@ def evaluate_model(config) -> dict:
     from grpo_fast.environments import load_environment
     from grpo_fast.tasks import resolve_rewards
     from grpo_fast.tools import resolve_tools
-    from grpo_fast.trainer.model.build import check_model_source, load_model_and_tokenizer
+    from grpo_fast.trainer.checks import check_model_source
+    from grpo_fast.trainer.model.build import load_model_and_tokenizer
     from grpo_fast.trainer.rollout.turns import turn_loop
 
     tools, environment = resolve_tools(config.tools), load_environment(config.environment)
