@@ -17,7 +17,7 @@ from grpo_fast.rewards import (
     none_on_error,
     overlong_penalty,
 )
-from grpo_fast.tasks import get_reward_function
+from grpo_fast.tasks import TASKS, get_reward_function
 
 # ---------------------------------------------------------------- answer extraction
 
@@ -211,7 +211,7 @@ def test_none_on_error_scores_only_failing_samples_none():
 @pytest.mark.parametrize("name", ["run_python", "check_batch", "none_on_error", "extract_answer", "SandboxLimits"])
 def test_only_reward_functions_resolve_by_name(name):
     """A config names a reward function; the package's helpers are refused with the valid names."""
-    known = ["arithmetic", "tool_arithmetic", *REWARD_FUNCTIONS]
+    known = [*TASKS, *REWARD_FUNCTIONS]
     with pytest.raises(ValueError, match=re.escape(f"unknown reward function {name!r}; known: {known}")):
         get_reward_function(name)
     assert [get_reward_function(n) for n in REWARD_FUNCTIONS] == [getattr(rewards, n) for n in REWARD_FUNCTIONS]
