@@ -24,11 +24,23 @@ TASKS = {
 }
 # A task's own defaults, which replace the config's where a field holds its default
 # (GRPOConfig.__post_init__): the tool task's trajectory (a call, the calculator's answer, the
-# final answer) needs about 22 tokens; guess_number plays in its environment, 3 guesses of 2
-# tokens and 2 answers of 10 (26 tokens), and evaluates on its balanced games.
+# final answer) needs about 22 tokens. guess_number plays in its environment (3 guesses of 2
+# tokens, 2 answers of 10: 26 tokens) and evaluates on its balanced games every 50 steps; its
+# RL settings are those measured in benchmarks/bench_guess_number.py (see the task's module).
 TASK_SETTINGS = {
     "tool_arithmetic": {"max_new_tokens": 32},
-    "guess_number": {"environment": "guess_number", "max_turns": 3, "max_new_tokens": 32},
+    "guess_number": {
+        "environment": "guess_number",
+        "max_turns": 3,
+        "max_new_tokens": 32,
+        "steps": 300,
+        "batch_size": 64,
+        "group_size": 4,
+        "learning_rate": 3e-3,
+        "num_iterations": 4,
+        "beta": 0.02,
+        "eval_every": 50,
+    },
 }
 DATASET_REWARDS = ("math_reward",)
 REASONING_GYM_REWARDS = ("reasoning_gym_reward",)

@@ -1,25 +1,31 @@
 """The built-in environment task: find a hidden number from 1 to 8 in 3 guesses, told higher or lower.
 
-Issue 39's small stateful task. Every episode opens with the same user message, ``"Guess my
-number from 1 to 8."``; the ``guess_number`` environment (``grpo_fast.environments.guess_number``)
-answers each wrong guess with ``higher`` or ``lower``, and the episode scores 1 when the model
-names the number within ``max_turns`` guesses (``environment_reward``, the task's reward). A
-trajectory, as the chat template renders it (``|`` between tokens, the prompt's characters
-elided)::
+Issue 39's small stateful task. Every episode opens with the same user message, ``"Guess
+1-8."``; the ``guess_number`` environment (``grpo_fast.environments.guess_number``) answers each
+wrong guess with ``higher`` or ``lower``, and the episode scores 1 when the model names the
+number within ``max_turns`` guesses, 0 when they run out, -1 for an answer that is not a number
+in range (``environment_reward``, the task's reward). A trajectory, as the chat template renders
+it (``|`` between tokens)::
 
-    <|im_start|>|user|\\n|G|u|...|8|.|<|im_end|>|\\n|<|im_start|>|assistant|\\n|
+    <|im_start|>|user|\\n|G|u|e|s|s| |1|-|8|.|<|im_end|>|\\n|<|im_start|>|assistant|\\n|
     4|<|im_end|>|\\n|<|im_start|>|user|\\n|higher|<|im_end|>|\\n|<|im_start|>|assistant|\\n|
     6|<|im_end|>|\\n|<|im_start|>|user|\\n|lower|<|im_end|>|\\n|<|im_start|>|assistant|\\n|
     5|<|im_end|>
 
-36 prompt tokens, then 2 sampled tokens a guess and a 10-token answer between guesses.
+18 prompt tokens, then 2 sampled tokens a guess and a 10-token answer between guesses (26
+completion tokens at most). The prompt is short on purpose: fine-tuned on halving games after
+the warm start, the model put 0.52 of its second guess's probability on numbers consistent with
+the answer after 20 steps with ``"Guess my number from 1 to 8."`` (36 tokens), 0.78 with this
+prompt.
 
-Why 8 numbers and 3 guesses: the prompt is the same for every target, so a policy that cannot
-read the answers finds the number with its first guess 1/8 of the time (``max_turns 1``), and
-with three distinct guesses 3/8; halving the range on each answer finds it 7/8 of the time (4,
-then 2 or 6, then the middle of what is left). The gap between 3/8 and 7/8 is what the answers
-are worth. The policy is a lookup on 7 game states (the first guess, then each answer so far),
-which the demo's 2-layer model holds.
+Why 8 numbers and 3 guesses. The prompt is the same for every target, so without the answers a
+policy finds the number with its first guess 1/8 of the time (``max_turns 1``: exactly 1/8 on
+the balanced held-out games, whatever the policy) and with three guesses at most 3/8 (three
+distinct numbers; the ``GuessNumberBlind`` control, whose every answer is ``wrong``). Guessing
+any number consistent with the answers so far finds it 0.62 of the time, halving the range (4,
+then 2 or 6, then what is left) 7/8. So the issue's target, 0.3 above the one-guess run (0.425),
+is out of reach of every policy that does not read the answers. A policy is a lookup on the
+game's states (the first guess, then the answers so far), small enough for the demo's model.
 
 The model and tokenizer are the tool task's (``grpo_fast.tasks.tool_arithmetic``: a 2-layer
 Llama of hidden 64, every number up to 999 one token, ChatML), with the environment's answers
@@ -28,18 +34,31 @@ Llama of hidden 64, every number up to 999 one token, ChatML), with the environm
 What is held out: nothing can be. The game has 8 states at its start, one per hidden number,
 and training sees them all; ``held_out_rows`` is each target 4 times (32 rows, balanced), so
 ``eval/pass@1`` is the policy's success rate on uniform targets, sampled as the evaluation
-samples (temperature 1 by default).
+samples (8 per game, temperature 1).
 
-The warm start (``warm_start``) teaches the format only, as the tool task's does: a short
-supervised fine-tuning on synthetic games whose guesses are drawn uniformly from 1..8, whatever
+The warm start (``warm_start``) teaches the format only, as the tool task's does: 60 AdamW steps
+of 32 synthetic games (lr 3e-3, about 4 s) whose guesses are drawn uniformly from 1..8 whatever
 the target and the answers, each answer the environment's own (half of the games told
-higher/lower, half told ``wrong``, so that every arm of the benchmark starts from the same
-weights and knows both answers' layout), up to 3 guesses, stopping at a hit. After it the model
-answers a number in range and ends its turn, and guesses blindly: its success is about
-``1 - (7/8)^3 = 0.33`` with 3 turns, 1/8 with one. The strategy (where to guess after an answer)
-comes from the RL.
+higher/lower, half ``wrong``: every arm of the benchmark starts from the same weights), up to 3
+guesses, ending at a hit. The loss is on the first guess and on every turn's end, not on the
+later guesses: trained on them, the model learned to ignore the answers (a uniform guess
+whatever they say is what those labels ask), and RL took longer to make it read them. After
+it every guess is a number in range that ends its turn, and the next guess does not depend on
+the answer (tests/test_guess_number.py); its success is that of blind guessing, about
+``1 - (7/8)^3 = 0.33`` with 3 turns, 1/8 with one. The strategy comes from the RL.
+
+The RL settings (``TASK_SETTINGS["guess_number"]``): 300 steps of 64 episodes (16 games, 4
+samples each), lr 3e-3, 4 passes over each batch (``num_iterations``), beta 0.02. Held-out
+pass@1 after them: 0.73, 0.86 and 0.54 for seeds 0-2, against 0.11-0.13 with one guess and 0.31
+for the blind control (benchmarks/bench_guess_number.py, about 3 minutes a run, two side by side
+on 2 cores). Measured while choosing them: with the trainer's defaults (lr 1e-3, one pass; and
+the first version of the prompt and warm start) the model's second guess still ignored the
+answer after 200 steps; beta 0 let the policy turn deterministic early and stall (0.25-0.63 at
+300 steps, 8 samples a game); 8 samples of 8 games a step learned less evenly across seeds
+(0.35-0.72 at 150 steps) than 4 samples of 16 games (0.46-0.63).
 """
 
+import functools
 import random
 import time
 
@@ -92,25 +111,41 @@ def held_out_rows() -> list[dict]:
 
 
 def demonstration(template, row: dict, rng: random.Random, feedback: bool) -> tuple[list[int], list[int]]:
-    """One synthetic game of ``row``, token ids and loss mask (1 on the model's tokens), laid out
-    as a rollout is (prompt | guess | answer's suffix | guess ...): up to MAX_TURNS guesses drawn
-    uniformly from the row's range regardless of the answers, each answered by the environment
-    (``feedback``: GuessNumber, else GuessNumberBlind), ending at a hit. ``template``: the
-    tokenizer's ChatTemplate."""
+    """One synthetic game of ``row``, token ids and loss mask, laid out as a rollout is (prompt |
+    guess | answer's suffix | guess ...): up to MAX_TURNS guesses drawn uniformly from the row's
+    range regardless of the answers, each answered by the environment (``feedback``:
+    GuessNumber, else GuessNumberBlind), ending at a hit. The mask is 1 on the first guess and on
+    every turn's end (EOS), 0 elsewhere: the later guesses are not trained, so that the warm start
+    neither teaches the model what to do after an answer nor teaches it to ignore the answers
+    (see the module's docstring). ``template``: the tokenizer's ChatTemplate."""
     tokenizer = template.tokenizer
     env = GuessNumber() if feedback else GuessNumberBlind()
-    ids = template.prompt_ids(env.reset(row))
+    env.reset(row)
+    ids = list(_prompt_ids(template, prompt_of(row["low"], row["high"])))
     mask = [0] * len(ids)
-    for _ in range(MAX_TURNS):
+    for turn_index in range(MAX_TURNS):
         guess = str(rng.randint(row["low"], row["high"]))
-        turn = tokenizer.encode(guess, add_special_tokens=False) + [tokenizer.eos_token_id]
-        ids, mask = ids + turn, mask + [1] * len(turn)
+        turn = tokenizer.encode(guess, add_special_tokens=False)
+        ids += turn + [tokenizer.eos_token_id]
+        mask += [int(turn_index == 0)] * len(turn) + [1]
         step = env.step({"role": "assistant", "content": guess})
-        if step.done:
+        if step.done or turn_index == MAX_TURNS - 1:  # a rollout's last turn gets no answer
             break
-        suffix = template.suffix_ids(step.observations, completion_ids=turn)
-        ids, mask = ids + suffix, mask + [0] * len(suffix)
+        suffix = _answer_ids(template, step.observations[0]["content"])
+        ids, mask = ids + list(suffix), mask + [0] * len(suffix)
     return ids, mask
+
+
+# Each game's prompt and answers are a handful of texts: rendered once per template, not per game.
+@functools.cache
+def _prompt_ids(template, prompt: str) -> tuple:
+    return tuple(template.prompt_ids([{"role": "user", "content": prompt}]))
+
+
+@functools.cache
+def _answer_ids(template, answer: str) -> tuple:
+    """The suffix after a guess (a turn ending in EOS) that the environment answered ``answer``."""
+    return tuple(template.suffix_ids([{"role": "user", "content": answer}]))
 
 
 def warm_start(
