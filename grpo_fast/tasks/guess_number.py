@@ -62,7 +62,6 @@ import functools
 import random
 import time
 
-import torch
 from tokenizers import AddedToken
 
 from grpo_fast.environments.guess_number import GuessNumber, GuessNumberBlind, prompt_of
@@ -169,36 +168,7 @@ def warm_start(
     rng = random.Random(f"guess_number warm start {seed}")
     rows = build_dataset(steps * batch_size, seed=10_000 + seed)
     examples = [demonstration(template, row, rng, feedback=i % 2 == 0) for i, row in enumerate(rows)]
-    loss = fine_tune(model, tokenizer, examples, batch_size=batch_size, learning_rate=learning_rate, seed=seed)
+    loss = tool_arithmetic.fine_tune(
+        model, tokenizer, examples, batch_size=batch_size, learning_rate=learning_rate, seed=seed
+    )
     return {"seconds": time.perf_counter() - start, "loss": loss}
-
-
-def fine_tune(model, tokenizer, examples: list, *, batch_size: int, learning_rate: float, seed: int) -> float:
-    """Supervised steps of ``model`` in place on ``examples`` (``(ids, mask)`` pairs, loss on
-    mask 1), ``batch_size`` a step in order, AdamW, gradients clipped to norm 1. Returns the last
-    step's mean loss over the unmasked tokens."""
-    was_training = model.training
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    loss_value = float("nan")
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        for start in range(0, len(examples), batch_size):
-            batch = examples[start : start + batch_size]
-            width = max(len(ids) for ids, _ in batch)
-            ids = torch.full((len(batch), width), tokenizer.pad_token_id)  # (B, T), right padding
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            labels = torch.full((len(batch), width), -100)
-            for i, (row_ids, mask) in enumerate(batch):
-                ids[i, : len(row_ids)] = torch.tensor(row_ids)
-                attention[i, : len(row_ids)] = 1
-                labels[i, : len(row_ids)] = torch.where(torch.tensor(mask) == 1, torch.tensor(row_ids), -100)
-            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            loss_value = loss.item()
-    model.zero_grad(set_to_none=True)  # the RL's first step must not add the last demonstrations' gradient
-    model.train(was_training)
-    return loss_value

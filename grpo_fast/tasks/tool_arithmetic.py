@@ -318,19 +318,27 @@ def warm_start(
     template = _tool_template(tokenizer) if tools else None
     rows = build_dataset(steps * batch_size, seed=10_000 + seed, hold_out=True)
     examples = [demonstration(tokenizer, row, template) for row in rows]
+    loss_value = fine_tune(model, tokenizer, examples, batch_size=batch_size, learning_rate=learning_rate, seed=seed)
+    return {"seconds": time.perf_counter() - start, "loss": loss_value}
+
+
+def fine_tune(model, tokenizer, examples: list, *, batch_size: int, learning_rate: float, seed: int) -> float:
+    """Supervised steps of ``model`` in place on ``examples`` (``(ids, mask)`` pairs, loss on
+    mask 1), ``batch_size`` a step in order, AdamW, gradients clipped to norm 1. Returns the last
+    step's mean loss over the unmasked tokens."""
     was_training = model.training
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     loss_value = float("nan")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        for step in range(steps):
-            batch = examples[step * batch_size : (step + 1) * batch_size]
+        for start in range(0, len(examples), batch_size):
+            batch = examples[start : start + batch_size]
             width = max(len(ids) for ids, _ in batch)
-            ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+            ids = torch.full((len(batch), width), tokenizer.pad_token_id)  # (B, T), right padding
             attention = torch.zeros((len(batch), width), dtype=torch.long)
             labels = torch.full((len(batch), width), -100)
-            for i, (row_ids, mask) in enumerate(batch):  # right padding: positions start at 0
+            for i, (row_ids, mask) in enumerate(batch):
                 ids[i, : len(row_ids)] = torch.tensor(row_ids)
                 attention[i, : len(row_ids)] = 1
                 labels[i, : len(row_ids)] = torch.where(torch.tensor(mask) == 1, torch.tensor(row_ids), -100)
@@ -342,4 +350,4 @@ def warm_start(
             loss_value = loss.item()
     model.zero_grad(set_to_none=True)  # the RL's first step must not add the last demonstrations' gradient
     model.train(was_training)
-    return {"seconds": time.perf_counter() - start, "loss": loss_value}
+    return loss_value

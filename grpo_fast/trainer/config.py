@@ -66,7 +66,8 @@ class GRPOConfig(LossConfig):
     task: str | None = option(
         None,
         "a built-in task, when no dataset is given: arithmetic (the demo), tool_arithmetic (multiplication with "
-        "the calculator; its own default max_new_tokens 32); None = arithmetic",
+        "the calculator; its own default max_new_tokens 32), guess_number (a hidden number from its "
+        "environment's higher/lower answers; its own settings); None = arithmetic",
         topic=DATA,
     )
     dataset: str | None = option(
