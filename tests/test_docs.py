@@ -198,3 +198,32 @@ def test_the_tool_task_numbers_match_their_json():
     readme = " ".join(read("README.md").split())
     finals = ", ".join(f"{final(runs[seed, True]):.2f}" for seed in (0, 1))
     assert f"{finals} and {final(runs[2, True]):.2f} with the calculator" in readme
+
+
+def test_the_guess_task_numbers_match_their_json():
+    """docs/environments.md's table and the README's sentence print the runs of
+    guess_number_cpu.json: per seed held-out pass@1 after the warm start and after RL reading
+    the answers, with one guess, and in the blind control."""
+    with open(os.path.join(RESULTS, "guess_number_cpu.json"), encoding="utf-8") as f:
+        runs = {(r["seed"], r["arm"]): r["pass_at_1"] for r in json.load(f)["runs"]}
+    seeds = sorted({seed for seed, _ in runs})
+
+    def row(label, arm, at=None):
+        values = [runs[seed, arm][at or max(runs[seed, arm], key=int)] for seed in seeds]
+        return f"| {label} | " + " | ".join(f"{v:.2f}" for v in values) + " |"
+
+    page = read("docs", "environments.md")
+    for line in (
+        row("after the warm start (3 turns)", "feedback", "0"),
+        row("trained, higher/lower", "feedback"),
+        row("trained, `--max-turns 1`", "one_guess"),
+        row("trained, blind control", "blind"),
+    ):
+        assert line in page, line
+    readme = " ".join(read("README.md").split())
+
+    def finals(arm):
+        values = [f"{runs[seed, arm][max(runs[seed, arm], key=int)]:.2f}" for seed in seeds]
+        return f"{', '.join(values[:-1])} and {values[-1]}"
+
+    assert f"{finals('feedback')} reading the answers against {finals('one_guess')} with one guess" in readme
