@@ -269,25 +269,32 @@ def test_a_sandbox_killed_from_outside_scores_zero_at_once():
     import os
     import signal
 
-    def sandboxes() -> list:  # this process's children that run the sandbox's bootstrap
-        found = []
+    def processes() -> dict:  # {pid: (parent pid, command line)}
+        table = {}
         for entry in filter(str.isdigit, os.listdir("/proc")):
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     parent = int(f.read().rpartition(")")[2].split()[1])
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if parent == os.getpid() and b"_boot.main()" in f.read():
-                        found.append(int(entry))
+                    table[int(entry)] = (parent, f.read())
             except (OSError, ValueError):
                 continue
-        return found
+        return table
+
+    def running_sandboxes() -> list:
+        """This process's children that run the sandbox's bootstrap and have forked the program:
+        a bootstrap killed before it forks never started the program, a setup failure that
+        code_reward reports, not the death of a program."""
+        table = processes()
+        boots = {pid for pid, (parent, cmd) in table.items() if parent == os.getpid() and b"_boot.main()" in cmd}
+        return sorted({parent for parent, _ in table.values() if parent in boots})
 
     killed = []
 
     def kill_the_sandbox():
         deadline = time.monotonic() + 10
         while not killed and time.monotonic() < deadline:
-            for pid in sandboxes():
+            for pid in running_sandboxes():
                 os.kill(pid, signal.SIGKILL)
                 killed.append(time.monotonic())
             time.sleep(0.05)

@@ -28,6 +28,7 @@ forwards depends on what was sampled, runs with the weights gathered once (:func
 import contextlib
 import datetime
 import os
+import types
 import weakref
 from collections.abc import Iterator
 
@@ -86,6 +87,17 @@ def before_shutdown(method) -> None:
     """Calls the bound ``method`` at :func:`shutdown`, before the process group goes, if its
     object still lives then."""
     _BEFORE_SHUTDOWN.append(weakref.WeakMethod(method))
+
+
+def _release_reducer(replica) -> None:
+    """Frees a DDP module's reducer (and the logger that holds it) while the process group
+    still exists. The reducer owns the group from C++: freed after the group has left torch's
+    registry, it would be the group's last owner, and gloo's destructor would join its worker
+    threads with the GIL held, while a worker freeing a finished collective's tensors waits
+    for the GIL (a deadlock at the end of a run, seen one run in ten on a loaded 2-core
+    machine). Freed first, the registry's handle is the last owner, and it lets the GIL go
+    while it joins."""
+    replica.logger = replica.reducer = None
 
 
 def shutdown() -> None:
@@ -194,12 +206,14 @@ def wrap(module: torch.nn.Module, parallel: str, runtime, *, trainable: bool = T
             return module
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(
+        replica = DistributedDataParallel(
             module,
             device_ids=[device.index] if device.type == "cuda" else None,
             broadcast_buffers=False,  # rotary tables and the like are constants: no broadcast per forward
             gradient_as_bucket_view=True,  # the reduction buckets are the gradients, not a second copy
         )
+        before_shutdown(types.MethodType(_release_reducer, replica))
+        return replica
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
