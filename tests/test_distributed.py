@@ -242,9 +242,31 @@ def test_a_hanging_rank_times_out_the_job(tmp_path):
     start = time.time()
     args = ["--reward-funcs", "_distributed_worker:hangs_on_rank_1", "--collective-timeout-s", "5"]
     proc = run_child(train_command(str(tmp_path), *args), timeout=180)
-    # The 5 s collective timeout applied (the hanging rank sleeps far longer than the test allows).
+    # The 5 s collective timeout applied: rank 0 failed on it, before the stalled rank woke.
     assert proc.returncode != 0, f"exit {proc.returncode} after {time.time() - start:.0f} s"
     assert "Timed out waiting 5000ms" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_shutdown_frees_each_ddp_reducer_before_the_process_group(tmp_path):
+    """The end of a run: a DDP reducer owns the gloo group from C++ and must not be its last
+    owner (its destructor would join gloo's threads holding the GIL), so shutdown() frees every
+    live replica's reducer and logger while the group exists, then destroys the group."""
+    import torch.distributed as dist
+
+    from grpo_fast.trainer import distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    runtime = type("Runtime", (), {"device": torch.device("cpu")})()
+    replica = distributed.wrap(torch.nn.Linear(4, 2), "ddp", runtime)
+    replica(torch.ones(3, 4)).sum().backward()  # a reduction: the reducer has run
+    seen = []
+    original = dist.destroy_process_group
+    try:
+        dist.destroy_process_group = lambda: (seen.append(replica.reducer), original())[1]
+        distributed.shutdown()
+    finally:
+        dist.destroy_process_group = original
+    assert seen == [None] and replica.logger is None and not dist.is_initialized()
 
 
 def test_compile_generation_under_fsdp_is_refused_before_the_model_loads(tmp_path):

@@ -94,8 +94,8 @@ def _release_reducer(replica) -> None:
     still exists. The reducer owns the group from C++: freed after the group has left torch's
     registry, it would be the group's last owner, and gloo's destructor would join its worker
     threads with the GIL held, while a worker freeing a finished collective's tensors waits
-    for the GIL (a deadlock at the end of a run, seen one run in ten on a loaded 2-core
-    machine). Freed first, the registry's handle is the last owner, and it lets the GIL go
+    for the GIL (a deadlock at the end of a run: about one 2-rank run in twenty on a loaded
+    2-core host). Freed first, the registry's handle is the last owner, and it lets the GIL go
     while it joins."""
     replica.logger = replica.reducer = None
 
