@@ -41,6 +41,29 @@ def engine():
     engine.close()
 
 
+def test_a_group_of_long_prompts_samples_each_prefill_whole():
+    """vLLM's CPU generators cannot rewind, and a seeded request whose prefill is split over
+    engine steps has its generator rewound: 16 prompts of 300 tokens (4,800 tokens, over a
+    step's default budget on CPU, 4,096) failed with "CPU Generator does not use offset". Each
+    prompt is now prefilled in one step; the samples follow the policy as every engine's do."""
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0, max_position_embeddings=320, **HEADS)
+    config = GRPOConfig(generator="vllm", max_new_tokens=4, batch_size=32, group_size=2)
+    engine = VLLMGenerator(model, tokenizer, EngineSettings.of(config))
+    try:
+        scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
+        assert not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens == 4096
+        prompts = [f"{i:02d}+12=" * 50 for i in range(16)]  # no two share a first block to cache
+        out = engine.generate(prompts, 2, list(range(16)))
+        C = out.completion_mask.shape[1]
+        assert out.input_ids.shape == (32, 300 + C) and bool(out.completion_mask[:, 0].all())
+        policy = completion_logprobs(model, out.input_ids, out.attention_mask, C)
+        gap = ((out.logprobs - policy) * out.completion_mask).abs().max().item()
+        assert gap < 1e-4, gap
+    finally:
+        engine.close()
+
+
 def policy_gap(engine, model=None, keys=range(6)) -> tuple:
     """``(generation, max |engine log-prob - policy log-prob|)`` over the completion tokens."""
     out = engine.generate(PROMPTS, 4, list(keys))

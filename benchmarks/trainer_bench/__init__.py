@@ -30,9 +30,10 @@ def with_rest(phases: dict, seconds: float) -> dict:
 
 
 def vllm_settings(llm) -> dict:
-    """What a vLLM engine runs with: dtype, eager or compiled, KV-cache size, prefix cache."""
+    """What a vLLM engine runs with: dtype, eager or compiled, KV-cache size, prefix cache,
+    a step's token budget and whether it splits prefills."""
     config = llm.llm_engine.vllm_config
-    cache, mode = config.cache_config, config.compilation_config.mode
+    cache, mode, scheduler = config.cache_config, config.compilation_config.mode, config.scheduler_config
     return dict(
         dtype=str(config.model_config.dtype).removeprefix("torch."),
         enforce_eager=config.model_config.enforce_eager,
@@ -41,4 +42,6 @@ def vllm_settings(llm) -> dict:
         kv_cache_blocks=cache.num_gpu_blocks,
         block_size=cache.block_size,
         prefix_caching=cache.enable_prefix_caching,
+        chunked_prefill=scheduler.enable_chunked_prefill,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
     )

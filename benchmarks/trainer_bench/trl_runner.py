@@ -43,7 +43,9 @@ applied in the worker process only (``trl_vllm_patches``):
        cache our engine takes, ``cpu_kv_cache_bytes`` (batch_size sequences of max_model_len
        + 16 tokens: 138 MB on the realistic workload). Left alone, vLLM's CPU backend sizes
        the cache from ``vllm_gpu_memory_utilization`` x the machine's memory (gigabytes),
-       which would dominate the peak RSS.
+       which would dominate the peak RSS. And each prompt prefilled in one step
+       (``whole_prefills``: vLLM's CPU generators cannot rewind a seeded request's split
+       prefill).
 """
 
 import contextlib
@@ -153,10 +155,11 @@ def trl_vllm_patches(work: Workload, ours: GRPOConfig, device: str):
 
     engine = dict(enforce_eager=ours.vllm_enforce_eager)
     if device == "cpu":
-        from grpo_fast.trainer.rollout.engines.vllm import cpu_kv_cache_bytes
+        from grpo_fast.trainer.rollout.engines.vllm import cpu_kv_cache_bytes, max_model_len, whole_prefills
 
         model_config = AutoConfig.from_pretrained(work.model_dir)
         engine.update(dtype="float32", kv_cache_memory_bytes=cpu_kv_cache_bytes(model_config, ours, torch.float32))
+        engine.update(whole_prefills(max_model_len(model_config, ours)))
     with (
         mock.patch.object(trl_vllm, "LLM", functools.partial(trl_vllm.LLM, **engine)),
         mock.patch.object(trl_vllm.VLLMGeneration, "sync_weights", reload_weights_sync),

@@ -126,6 +126,20 @@ def full_weights(model):
         yield name, tensor
 
 
+def whole_prefills(length: int) -> dict:
+    """vLLM settings that prefill each prompt in one engine step (CPU). A seeded request whose
+    prefill is split over steps has its generator rewound after each partial step, which a CPU
+    generator cannot do ("CPU Generator does not use offset"): on vLLM's CPU build a batch of
+    prompts with more tokens than a step's budget (4,096 for ``vllm.LLM`` there) failed. A
+    prompt that does not fit a step's remaining budget now waits for the next step, and the
+    budget holds at least the longest sequence (``length`` tokens)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    budget = EngineArgs.get_batch_defaults(world_size=1)[0][UsageContext.LLM_CLASS]
+    return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(length, budget))
+
+
 class VLLMGenerator(Generator):
     """Samples with an in-process ``vllm.LLM`` that starts from, and follows, the policy.
 
@@ -167,13 +181,14 @@ class VLLMGenerator(Generator):
             # Under torchrun every rank runs its own engine in the job's process group. (A single
             # process's engine makes a process group of one for itself: that is no job.)
             distributed = launched_by_torchrun()
+            length = max_model_len(self.model.config, settings)
             self.llm = vllm.LLM(
                 model=source,
                 revision=settings.model_revision if settings.model is not None else None,
                 skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer decodes
                 dtype=dtype,
                 seed=settings.seed,
-                max_model_len=max_model_len(self.model.config, settings),
+                max_model_len=length,
                 enforce_eager=settings.vllm_enforce_eager,
                 enable_prefix_caching=settings.vllm_prefix_cache,
                 gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
@@ -181,6 +196,7 @@ class VLLMGenerator(Generator):
                 enable_sleep_mode=settings.vllm_sleep_level > 0,
                 logprobs_mode="processed_logprobs",  # after temperature, as the loss computes them
                 distributed_executor_backend="external_launcher" if distributed else None,
+                **(whole_prefills(length) if cpu else {}),
             )
         torch.set_num_threads(threads)
         self.loaded = self.published
