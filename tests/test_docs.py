@@ -114,6 +114,19 @@ def trainer_speed(data):
     ]
 
 
+def shared_prefix_speed(data):
+    results = data["results"]
+
+    def passes(engine):  # the training and reference passes, the ones sharing shortens
+        phases = results[engine]["phases_median_s"]
+        return phases["training"] + phases["reference"]
+
+    return [
+        f"{results['sampler']['steps_per_s'] / results['sampler_whole']['steps_per_s']:.2f}x",
+        f"{passes('sampler_whole') / passes('sampler'):.2f}x",
+    ]
+
+
 def grpo_vs_ppo(data):
     return [f"{data['grpo_fused_linear']['peak_bytes'] / data['ppo']['peak_bytes']:.3f}x"]
 
@@ -128,6 +141,7 @@ HEADLINES = {
     "fused_linear_cpu.json": fused_linear,
     "trl_cpu.json": trl_update,
     "trainer_cpu_engines_realistic.json": trainer_speed,
+    "trainer_cpu_engines_long_prompt.json": shared_prefix_speed,
     "memory_cpu_qwen2.5-0.5b.json": grpo_vs_ppo,
     "async_cpu_realistic.json": async_speed,
 }
