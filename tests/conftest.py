@@ -5,6 +5,7 @@ top of the first module pytest loads. ``GRPO_FAST_TEST_CUDA=1`` keeps real CUDA 
 """
 
 import contextlib
+import glob
 import math
 import os
 import signal
@@ -259,6 +260,18 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def children(pid: int) -> list:
+    """Pids of ``pid``'s children, whichever of its threads started them ([] once it is gone)."""
+    found = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(path) as f:
+                found += [int(child) for child in f.read().split()]
+        except OSError:  # the thread ended
+            continue
+    return found
 
 
 def worker_pids(launcher: int) -> dict:

@@ -21,6 +21,7 @@ import torch
 from conftest import (
     ROOT,
     assert_rows_close,
+    children,
     completion_logits,
     rel_err,
     small_config,
@@ -320,11 +321,6 @@ def test_killed_trainer_ends_its_worker(tmp_path):
         assert wait_until(lambda: gone(worker), 5)
     finally:
         trainer.kill()
-
-
-def children(pid: int) -> list:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(x) for x in f.read().split()]
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ import threading
 import time
 
 import pytest
-from _sandboxed import LIMITS, score
+from _sandboxed import LIMITS, processes_with, score
+from conftest import children
 
 from grpo_fast.rewards import code, code_reward, extract_code
 from grpo_fast.sandbox import SandboxLimits, _judge
@@ -269,25 +270,12 @@ def test_a_sandbox_killed_from_outside_scores_zero_at_once():
     import os
     import signal
 
-    def processes() -> dict:  # {pid: (parent pid, command line)}
-        table = {}
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rpartition(")")[2].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    table[int(entry)] = (parent, f.read())
-            except (OSError, ValueError):
-                continue
-        return table
-
     def running_sandboxes() -> list:
         """This process's children that run the sandbox's bootstrap and have forked the program:
         a bootstrap killed before it forks never started the program, a setup failure that
         code_reward reports, not the death of a program."""
-        table = processes()
-        boots = {pid for pid, (parent, cmd) in table.items() if parent == os.getpid() and b"_boot.main()" in cmd}
-        return sorted({parent for parent, _ in table.values() if parent in boots})
+        mine = set(children(os.getpid()))
+        return [pid for pid in processes_with("_boot.main()") if pid in mine and children(pid)]
 
     killed = []
 

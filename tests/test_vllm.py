@@ -54,19 +54,16 @@ def test_a_group_of_long_prompts_samples_each_prefill_whole():
         scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
         assert not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens == 4096
         prompts = [f"{i:02d}+12=" * 50 for i in range(16)]  # no two share a first block to cache
-        out = engine.generate(prompts, 2, list(range(16)))
-        C = out.completion_mask.shape[1]
-        assert out.input_ids.shape == (32, 300 + C) and bool(out.completion_mask[:, 0].all())
-        policy = completion_logprobs(model, out.input_ids, out.attention_mask, C)
-        gap = ((out.logprobs - policy) * out.completion_mask).abs().max().item()
-        assert gap < 1e-4, gap
+        out, gap = policy_gap(engine, model, range(16), prompts, group_size=2)
+        assert out.input_ids.shape == (32, 300 + out.completion_mask.shape[1])
+        assert bool(out.completion_mask[:, 0].all()) and gap < 1e-4, gap
     finally:
         engine.close()
 
 
-def policy_gap(engine, model=None, keys=range(6)) -> tuple:
+def policy_gap(engine, model=None, keys=range(6), prompts=PROMPTS, group_size=4) -> tuple:
     """``(generation, max |engine log-prob - policy log-prob|)`` over the completion tokens."""
-    out = engine.generate(PROMPTS, 4, list(keys))
+    out = engine.generate(prompts, group_size, list(keys))
     C = out.completion_mask.shape[1]
     policy = completion_logprobs(model or engine.model, out.input_ids, out.attention_mask, C)
     return out, ((policy - out.logprobs) * out.completion_mask).abs().max().item()
