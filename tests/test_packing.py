@@ -13,7 +13,8 @@ from _steps import backward, next_batch, off_policy
 from conftest import completion_logits, completion_logprobs, max_err, rel_err
 
 from grpo_fast import grpo_loss
-from grpo_fast.packing import micro_batches, pack, packed_logits, to_grid
+from grpo_fast.packing import micro_batches, pack, packed_logits, packed_sdpa, to_grid
+from grpo_fast.packing.layout import CALL_COST, SLACK, attention_grids
 from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
@@ -154,20 +155,59 @@ def test_pack_layout():
         pack(torch.tensor([[pad, pad, 4]]), torch.tensor([[0, 0, 1]]), 1, slice(0, 1))
 
 
-def test_packed_logits_equal_each_sequence_alone():
+@pytest.mark.parametrize("call_cost", [None, 0], ids=["one-call", "a-call-per-length"])
+def test_packed_logits_equal_each_sequence_alone(monkeypatch, call_cost):
     """Attention stays within each packed sequence: the packed logits equal those of each
-    sequence run alone (grouped-query attention, sequences of different lengths)."""
+    sequence run alone (grouped-query attention, sequences of different lengths), on one grid
+    or on a grid per length; without the pack's grids, packed_sdpa attends the sequences of
+    ``cu_seq_lens_q`` the same."""
+    if call_cost is not None:
+        monkeypatch.setitem(CALL_COST, "cpu", call_cost)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=4, num_key_value_heads=1).double()
     input_ids = torch.randint(3, 15, (4, 9), generator=torch.Generator().manual_seed(0))
     lengths = [9, 3, 6, 2]
     attention = (torch.arange(9) >= 9 - torch.tensor(lengths).unsqueeze(1)).long()  # left-padded
     packed = pack(input_ids, attention, 1, slice(0, 4))
+    assert len(packed.grids.calls) == (1 if call_cost is None else 4)
     logits = to_grid(packed_logits(model, packed), packed)  # [4, 1, V]: each sequence's last prediction
     for b, n in enumerate(lengths):
         with torch.no_grad():
             alone = model(input_ids=input_ids[b : b + 1, 9 - n :]).logits[0, -2]
         assert rel_err(logits[b, 0], alone) < 1e-12
+    q, k = torch.randn(1, 4, 20, 8, dtype=torch.float64), torch.randn(1, 2, 20, 8, dtype=torch.float64)
+    by_grids = packed_sdpa(None, q, k, k, None, packed_grids=packed.grids)[0]
+    assert torch.equal(packed_sdpa(None, q, k, k, None, cu_seq_lens_q=packed.cu_seqlens)[0], by_grids)
+    with pytest.raises(ValueError, match="packed_sdpa needs the pack's packed_grids, or cu_seq_lens_q"):
+        packed_sdpa(None, q, k, k, None)
+
+
+def test_attention_grids_hold_each_token_once_within_their_padding_bound(monkeypatch):
+    """Each packed token has one slot, where its grid reads it back; causal spans and spans
+    after a prefix never share a call; a call's padded work stays within SLACK of its spans'
+    own plus one call's cost; an empty span has no slot; at CUDA's cost per call, calls merge more."""
+    spans = [(0, 30, 0, 0), (30, 3, 0, 30), (33, 40, 0, 30), (73, 0, 0, 30), (73, 28, 0, 0), (101, 2, 0, 0)]
+    spans += [(103, 9, 101, 2), (112, 1, 101, 2), (113, 8, 101, 2)]
+    S = 121
+    for call_cost in (0, 300, CALL_COST["cpu"]):
+        monkeypatch.setitem(CALL_COST, "cpu", call_cost)
+        grids = attention_grids(spans, S, "cpu")
+        reads = torch.cat([call.query_reads for call in grids.calls])
+        assert reads[grids.slots].tolist() == list(range(S)) and len(set(grids.slots.tolist())) == S
+        for call in grids.calls:
+            rows = call.query_reads.numel() // call.queries
+            starts = call.query_reads.view(rows, -1)[:, 0].tolist()
+            members = [span for span in spans if span[0] in starts and span[1] > 0]
+            assert len(members) == rows and len({span[3] > 0 for span in members}) == 1
+            prefix = max(span[3] for span in members)
+            own = sum(length * (p + length) for _, length, _, p in members)
+            assert rows * call.queries * (prefix + call.queries) <= SLACK * own + call_cost
+            if prefix:  # keys: the prefix padded to its longest, then the span; a mask of [r, 1, queries, keys]
+                assert call.key_mask.shape == (rows, 1, call.queries, prefix + call.queries)
+        if call_cost == 0:  # causal: 30 and 28 together, 2 alone; prefixed: 40, 3, 9 with 8, 1
+            assert len(grids.calls) == 6
+    monkeypatch.setitem(CALL_COST, "cpu", CALL_COST["cuda"])  # a GPU's: a call is worth 512 x 512
+    assert len(attention_grids(spans, S, "cpu").calls) == 2
 
 
 def test_micro_batches_follow_the_token_budget():

@@ -21,6 +21,7 @@ from grpo_fast.packing import (
     packed_logits,
     to_grid,
 )
+from grpo_fast.packing.layout import CALL_COST
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig
 from grpo_fast.trainer.choices import ATTENTION_KERNELS
@@ -96,11 +97,14 @@ def _values(model, packed, weights):
     return logits.detach(), hidden.detach(), grads
 
 
+@pytest.mark.parametrize("call_cost", [None, 0], ids=["few-calls", "a-call-per-length"])
 @pytest.mark.parametrize("group_size", [1, 2, 8])
-def test_shared_prefix_equals_every_row_whole(model, group_size):
+def test_shared_prefix_equals_every_row_whole(model, group_size, call_cost, monkeypatch):
+    if call_cost is not None:  # the attention split into an SDPA call per length (layout.attention_grids)
+        monkeypatch.setitem(CALL_COST, "cpu", call_cost)
     input_ids, attention = rollout(group_size, [4, 1, 7])
     N = input_ids.shape[0]
-    split = False
+    split, calls = False, 0
     for max_tokens, max_rows in ((None, None), (23, None), (None, 3)):  # one pack, or packs that split groups
         whole = pack_micro_batches(input_ids, attention, C, max_tokens, max_rows)
         shared = pack_micro_batches(input_ids, attention, C, max_tokens, max_rows, group_size=group_size)
@@ -116,7 +120,10 @@ def test_shared_prefix_equals_every_row_whole(model, group_size):
             want, got = _values(model, w, weights), _values(model, s, weights)
             for a, b in zip(got, want):
                 assert rel_err(a, b) < 1e-10 and max_err(a, b) < 1e-10
+            calls = max(calls, len(s.grids.calls))
     assert N == 3 * group_size and split == (group_size > 1)
+    # one causal call (whole rows, or the prompts) and one after the prompts; or one per length
+    assert calls == (1 + (group_size > 1) if call_cost is None else {1: 3, 2: 7, 8: 9}[group_size])
 
 
 def test_flex_attention_equals_sdpa(model):

@@ -66,12 +66,22 @@ def _scratch(logits: torch.Tensor, acc: torch.dtype, count: int) -> list:
     return [torch.empty(rows, V, dtype=acc, device=logits.device) for _ in range(count)]
 
 
-def _upcast(chunk: torch.Tensor, temperature: float, buffer: torch.Tensor) -> torch.Tensor:
-    """chunk / temperature in the first rows of ``buffer`` (float32). The upcast is a plain
-    copy: elementwise ops that mix 16-bit and float32 operands take a slow per-element path
-    on CPU (10-20x a same-dtype op, measured), so every later op runs on one dtype."""
-    x = buffer[: chunk.shape[0]].copy_(chunk)
-    return x if temperature == 1.0 else x.mul_(1.0 / temperature)
+def _upcast(chunk: torch.Tensor, temperature: float, buffer: torch.Tensor, shift=None) -> torch.Tensor:
+    """chunk / temperature, less ``shift`` [n, 1] if given, as rows of ``buffer``'s dtype
+    (float32): the chunk itself where that changes nothing (it is never written), else the
+    first rows of ``buffer``, in as few passes as the ops allow (one for a float32 chunk at
+    temperature 1: each pass over a chunk is about as slow as the ops on it). A 16-bit chunk
+    is upcast by a plain copy: elementwise ops that mix 16-bit and float32 operands take a slow
+    per-element path on CPU (10-20x a same-dtype op, measured), so every later op runs on one
+    dtype."""
+    x = buffer[: chunk.shape[0]]
+    if chunk.dtype != x.dtype:
+        chunk = x.copy_(chunk)
+    elif temperature == 1.0 and shift is None:
+        return chunk
+    if temperature != 1.0:
+        chunk = torch.mul(chunk, 1.0 / temperature, out=x)
+    return chunk if shift is None else torch.sub(chunk, shift, out=x)
 
 
 def _rows_fwd(x: torch.Tensor, ids: torch.Tensor, inv_t: torch.Tensor, return_entropy: bool):
@@ -138,9 +148,10 @@ def logprobs_fwd_torch(logits: torch.Tensor, ids: torch.Tensor, temperature: flo
     logp [B, T], lse [B, T] (of logits / temperature), entropy [B, T] or None; float32.
 
     Compiled (``_rows_fwd``), all rows in one call, or sequence by sequence for logits that do
-    not flatten. Eager, chunk by chunk: two passes over [n, V] (five with entropy), each one
-    parallel region: on a machine whose cores are shared every region ends in a barrier that
-    waits for the slowest thread, so the number of regions sets the time there
+    not flatten. Eager, chunk by chunk: the upcast (none for float32 at temperature 1) and a
+    log_softmax pass over [n, V] (three more with entropy), each one parallel region: on a
+    machine whose cores are shared every region ends in a barrier that waits for the slowest
+    thread, so the number of regions sets the time there
     (benchmarks/NOTES.md).
     """
     B, T, V = logits.shape
@@ -195,7 +206,7 @@ def logprobs_bwd_torch(
         return out
     (buffer,) = _scratch(logits, acc, 1)
     for (chunk, out_chunk), r in _row_chunks([logits, out], _rows_per_chunk(V)):
-        p = _upcast(chunk, temperature, buffer).sub_(flat_lse[r]).exp_()  # softmax(x / tau), [n, V]
+        p = _upcast(chunk, temperature, buffer, flat_lse[r]).exp_()  # softmax(x / tau), [n, V]
         p.scatter_add_(1, flat_ids[r], torch.full_like(coef[r], -1.0))  # p - onehot
         torch.mul(p, -coef[r], out=out_chunk)  # coef * (onehot - p), in the output's dtype
     return out

@@ -2,7 +2,8 @@
 prompt once, and the attention that keeps each to itself.
 
     layout.py     the packed layout (:class:`Packed`, :func:`pack`, shared prefixes,
-                  :func:`pack_by_prompt`), the token-budget micro-batches, :func:`to_grid`
+                  :func:`pack_by_prompt`), its SDPA calls (:func:`attention_grids`), the
+                  token-budget micro-batches, :func:`to_grid`
     attention.py  :func:`packed_sdpa` (whole rows and shared prefixes), the packed forwards
                   :func:`packed_logits` and :func:`packed_hidden`, what cannot take the layout
 
@@ -19,8 +20,11 @@ from grpo_fast.packing.attention import (
 )
 from grpo_fast.packing.layout import (
     ATTENTIONS,
+    Grid,
+    Grids,
     Packed,
     SharedPrefix,
+    attention_grids,
     micro_batches,
     pack,
     pack_by_prompt,
@@ -32,8 +36,11 @@ from grpo_fast.packing.layout import (
 __all__ = [
     "ATTENTIONS",
     "PACKED_ATTENTION",
+    "Grid",
+    "Grids",
     "Packed",
     "SharedPrefix",
+    "attention_grids",
     "micro_batches",
     "pack",
     "pack_by_prompt",

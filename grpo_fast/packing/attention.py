@@ -2,17 +2,20 @@
 
 Attention must keep each sequence to itself: with ``flash_attention_2`` transformers reads
 ``cu_seq_lens_*`` and runs the varlen kernel; otherwise :func:`packed_attention` switches the
-model to :func:`packed_sdpa`, which gathers the packed queries, keys and values onto a
-[n, heads, longest, d] grid and makes one causal SDPA call (exact: a real query attends only
-to real keys of its own sequence). The grid costs n * longest^2 in attention alone, against
-S^2 for the block-diagonal mask transformers builds from restarting ``position_ids``
-(measured 2-3x slower than the grid on the demo's 128 short sequences).
+model to :func:`packed_sdpa`, which gathers the packed queries, keys and values onto grids
+and makes one causal SDPA call per grid (exact: a real query attends only to real keys of its
+own sequence). A grid holds sequences of like length (``layout.attention_grids``): one grid
+over a micro-batch costs n * longest^2 in attention, which on rows of 20 to 300 tokens was 4x
+the work of the rows themselves; the block-diagonal S x S mask transformers builds from
+restarting ``position_ids`` costs S^2 (measured 2-3x slower than one grid on the demo's 128
+short sequences).
 
 A shared-prefix pack (:class:`~grpo_fast.packing.layout.SharedPrefix`) attends each prompt
 causally to itself and each completion to its prompt and causally to itself, never to another
-completion: two SDPA calls on gathered grids, no S x S mask. flash-attention's varlen kernel
-cannot take that layout, nor can :func:`packed_sdpa` take a sliding window or logit
-softcapping, so those models pack whole rows (:func:`shared_layout_blocker`).
+completion: the prompts on causal grids, the completions on grids of [its prompt | itself]
+keys with a mask, no S x S mask anywhere. flash-attention's varlen kernel cannot take that
+layout, nor can :func:`packed_sdpa` take a sliding window or logit softcapping, so those
+models pack whole rows (:func:`shared_layout_blocker`).
 """
 
 import contextlib
@@ -21,11 +24,12 @@ import logging
 
 import torch
 
-from grpo_fast.packing.layout import Packed, SharedPrefix
+from grpo_fast.packing.layout import Grids, Packed, attention_grids
 
 logger = logging.getLogger("grpo_fast")
 
 PACKED_ATTENTION = "grpo_fast_packed_sdpa"
+sdpa = torch.nn.functional.scaled_dot_product_attention
 
 
 def _on_flash(model) -> bool:
@@ -72,69 +76,49 @@ def packed_sdpa(
     dropout: float = 0.0,
     scaling=None,
     *,
-    cu_seq_lens_q: torch.Tensor,
-    max_length_q: int,
+    packed_grids: Grids | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
     **kwargs,
 ):
-    """Attention of sequences packed in one row, each causal and to itself (a transformers
-    attention function; see the module docstring).
+    """Attention of sequences packed in one row, each causal and to itself, or shared-prefix
+    units (a transformers attention function; see the module docstring).
 
-    query [1, heads, S, d], key and value [1, kv_heads, S, d]; ``cu_seq_lens_q`` [n + 1] the
-    sequence boundaries, ``max_length_q`` the longest. Returns ([1, S, heads, d], None).
+    query [1, heads, S, d], key and value [1, kv_heads, S, d]; ``packed_grids`` the pack's
+    :class:`~grpo_fast.packing.layout.Grids` (``Packed.grids``); without them, whole
+    sequences with the boundaries ``cu_seq_lens_q`` [n + 1]. Returns ([1, S, heads, d], None).
     """
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError(
             "packed_sdpa computes full causal attention; a model with a sliding window or logit softcapping needs "
             "attn_implementation='flash_attention_2' for packed sequences"
         )
-    groups = query.shape[1] // key.shape[1]
     if kwargs.get("flex_block_mask") is not None:
         return _flex(query, key, value, kwargs["flex_block_mask"], dropout, scaling), None
+    if packed_grids is None:
+        if cu_seq_lens_q is None:
+            raise ValueError("packed_sdpa needs the pack's packed_grids, or cu_seq_lens_q for whole sequences")
+        bounds = cu_seq_lens_q.tolist()
+        spans = [(start, end - start, 0, 0) for start, end in zip(bounds, bounds[1:])]
+        packed_grids = attention_grids(spans, query.shape[2], query.device)
+    groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    if kwargs.get("shared_prefix") is not None:
-        return _shared_prefix_sdpa(query, key, value, kwargs["shared_prefix"], dropout, scaling), None
-    starts = cu_seq_lens_q[:-1].long()
-    lengths = cu_seq_lens_q.diff().long()
-    (heads, S, d), n, longest = query.shape[1:], len(lengths), max_length_q
-    # Grid slot (i, j) reads packed position starts[i] + j; past a sequence's end that is some
-    # other token, which no real query sees: causally, query j attends keys 0..j only.
-    reads = (starts.unsqueeze(1) + torch.arange(longest, device=query.device)).clamp(max=S - 1).view(-1)
-    seq = torch.repeat_interleave(torch.arange(n, device=query.device), lengths, output_size=S)
-    slots = seq * longest + torch.arange(S, device=query.device) - starts[seq]  # [S] each token's grid slot
-
-    def grid(x):  # [1, h, S, d] -> [n, h, longest, d]
-        return x[0].index_select(1, reads).view(x.shape[1], n, longest, d).transpose(0, 1)
-
-    out = torch.nn.functional.scaled_dot_product_attention(
-        grid(query), grid(key), grid(value), dropout_p=dropout, is_causal=True, scale=scaling
-    )  # [n, h, longest, d]
-    return out.transpose(1, 2).reshape(n * longest, heads, d).index_select(0, slots).unsqueeze(0), None
-
-
-def _shared_prefix_sdpa(query, key, value, prefix: SharedPrefix, dropout: float, scaling):
-    """Attention of a shared-prefix pack: each prompt causally over itself on a [U, Pmax] grid,
-    each completion over its prompt's keys and causally over its own on [M, Rmax] queries and
-    [M, Pmax + Rmax] keys, with the mask :func:`pack` built. Every query sees its prompt's first
-    key, so no row of the mask is empty (no NaN, even at the grids' padding, whose outputs are
-    dropped). q/k/v [1, heads, S, d] (k/v already repeated to the query heads); returns
-    [1, S, heads, d]."""
     heads, d = query.shape[1], query.shape[3]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def grid(x, reads, width):  # [1, h, S, d] -> [rows, h, width, d]
         return x[0].index_select(1, reads).view(heads, -1, width, d).transpose(0, 1)
 
-    P = prefix.longest_prompt
-    R = prefix.key_mask.shape[2]
-    prompt_q, prompt_k, prompt_v = (grid(x, prefix.prompt_reads, P) for x in (query, key, value))
-    prompt_out = sdpa(prompt_q, prompt_k, prompt_v, dropout_p=dropout, is_causal=True, scale=scaling)
-    keys, values = (grid(x, prefix.key_reads, P + R) for x in (key, value))
-    completion_out = sdpa(
-        grid(query, prefix.query_reads, R), keys, values, attn_mask=prefix.key_mask, dropout_p=dropout, scale=scaling
-    )
-    flat = torch.cat([out.transpose(1, 2).reshape(-1, heads, d) for out in (prompt_out, completion_out)])
-    return flat.index_select(0, prefix.slots).unsqueeze(0)
+    outputs = []
+    for call in packed_grids.calls:
+        q = grid(query, call.query_reads, call.queries)
+        if call.key_reads is None:
+            k, v = (grid(x, call.query_reads, call.queries) for x in (key, value))
+            out = sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling)
+        else:
+            k, v = (grid(x, call.key_reads, call.key_mask.shape[-1]) for x in (key, value))
+            out = sdpa(q, k, v, attn_mask=call.key_mask, dropout_p=dropout, scale=scaling)
+        outputs.append(out.transpose(1, 2).reshape(-1, heads, d))
+    return torch.cat(outputs).index_select(0, packed_grids.slots).unsqueeze(0), None
 
 
 @contextlib.contextmanager
@@ -166,14 +150,11 @@ def flex_block_mask(packed: Packed):
 
     S, device = packed.input_ids.shape[1], packed.input_ids.device
     cu = packed.cu_seqlens.long()
-    U = len(cu) - 1
-    unit = torch.repeat_interleave(torch.arange(U, device=device), cu.diff(), output_size=S)
+    unit = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), cu.diff(), output_size=S)
     if packed.prefix is None:
         segment, prompt = unit, torch.zeros(S, dtype=torch.bool, device=device)
-    else:  # a token's slot: the [U, Pmax] prompt grid, then the [M, Rmax] completion grid
-        slots, P, R = packed.prefix.slots, packed.prefix.longest_prompt, packed.prefix.key_mask.shape[2]
-        prompt = slots < U * P
-        segment = torch.where(prompt, slots // P, U + (slots - U * P) // R)
+    else:
+        segment, prompt = packed.prefix.segment, packed.prefix.prompt
 
     def visible(batch, head, q, k):
         return (unit[q] == unit[k]) & (k <= q) & (prompt[k] | (segment[q] == segment[k]))
@@ -238,9 +219,12 @@ def _held_through_backward(model, output: torch.Tensor) -> torch.Tensor:
 
 def _packed_inputs(model, packed: Packed) -> dict:
     cu, longest = packed.cu_seqlens, packed.max_length
-    shared = {} if packed.prefix is None else {"shared_prefix": packed.prefix}
-    if packed.attention == "flex" and not _on_flash(model):
-        shared["flex_block_mask"] = flex_block_mask(packed)
+    if _on_flash(model):
+        shared = {}
+    elif packed.attention == "flex":
+        shared = {"flex_block_mask": flex_block_mask(packed)}
+    else:
+        shared = {"packed_grids": packed.grids}
     return dict(
         input_ids=packed.input_ids,
         position_ids=packed.position_ids,

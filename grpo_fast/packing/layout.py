@@ -49,7 +49,8 @@ class Packed(NamedTuple):
     logits predict them; completion_cu_seqlens [n + 1] the rows' boundaries among them;
     grid ``(row [Nc], col [Nc])`` their places in the rows' [n, C] completion grid, whose
     shape is ``grid_shape``; ``attention`` the kernel of :data:`ATTENTIONS` that attends it
-    (flash-attention models run their own).
+    (flash-attention models run their own); ``grids`` the SDPA calls that attend it (with
+    ``attention="sdpa"``; see :func:`attention_grids`).
     """
 
     rows: slice
@@ -64,25 +65,44 @@ class Packed(NamedTuple):
     grid_shape: tuple
     prefix: "SharedPrefix | None" = None
     attention: str = "sdpa"
+    grids: "Grids | None" = None
 
 
 class SharedPrefix(NamedTuple):
-    """The attention layout of a shared-prefix pack (``pack(..., groups=...)``): U units
-    ``[prompt | completion_1 | ... | completion_g]``, M completions among them, as the index
-    maps :func:`packed_sdpa` gathers with (all built once per micro-batch, with the pack).
-
-    prompt_reads [U * Pmax]: packed positions of each unit's prompt on a [U, Pmax] grid;
-    query_reads [M * Rmax]: of each completion on a [M, Rmax] grid; key_reads
-    [M * (Pmax + Rmax)]: its unit's prompt then itself; key_mask [M, 1, Rmax, Pmax + Rmax]:
-    the keys a completion's query sees (its prompt, then itself causally); slots [S]: each
-    packed token's place in the prompt grid followed by the completion grid.
+    """What makes a pack shared-prefix (``pack(..., groups=...)``): U units ``[prompt |
+    completion_1 | ... | completion_g]``, M completions among them. Per packed token [S]:
+    ``prompt`` whether it is a prompt token, ``segment`` its prompt's unit (0..U-1) or its
+    completion (U..U+M-1). A query sees the keys of its unit, causally, that are its prompt's or
+    its own segment's (FlexAttention's block mask reads these; SDPA runs the pack's ``grids``).
     """
 
-    prompt_reads: torch.Tensor
-    longest_prompt: int
+    prompt: torch.Tensor
+    segment: torch.Tensor
+
+
+class Grid(NamedTuple):
+    """One SDPA call of a pack's attention (:class:`Grids`): r query spans gathered onto an
+    [r, queries] grid. ``key_reads`` None: each span attends causally to itself (the keys are
+    the queries' grid). Else each span attends to a prefix (its prompt) and causally to itself:
+    ``key_reads`` [r * keys] the packed positions of the prefix, padded, then of the span, and
+    ``key_mask`` [r, 1, queries, keys] the keys each query sees (always its prefix's first, so
+    no row is empty, even at the grid's padding, whose outputs are dropped).
+
+    query_reads [r * queries]: the packed positions of each span, padded past its end with
+    positions no real query sees."""
+
     query_reads: torch.Tensor
-    key_reads: torch.Tensor
-    key_mask: torch.Tensor
+    queries: int
+    key_reads: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+
+
+class Grids(NamedTuple):
+    """A pack's attention as a few SDPA calls (:func:`attention_grids`): ``calls`` a tuple of
+    :class:`Grid`, each over spans of like length; ``slots`` [S] each packed token's row in the
+    calls' outputs flattened and concatenated, [sum of r * queries]."""
+
+    calls: tuple
     slots: torch.Tensor
 
 
@@ -166,9 +186,10 @@ def pack(
     completion = torch.nonzero_static(columns >= L - C, size=Nc).squeeze(1)
     if groups is None:
         sequences, logit_index, prefix = [total for total, _ in lengths], completion - 1, None
+        spans = [(start, length, 0, 0) for start, length in zip(itertools.accumulate(sequences, initial=0), sequences)]
     else:
         sequences = [p + sum(completion_lengths[r] for r in members) for p, (_, members) in zip(prompts, units)]
-        logit_index, prefix = _shared_layout(units, prompts, completion_lengths, completion, ids.device)
+        logit_index, prefix, spans = _shared_layout(units, prompts, completion_lengths, completion, ids.device)
     cu_seqlens = torch.tensor([0] + sequences, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     completion_cu = torch.tensor([0] + completion_lengths, dtype=torch.int64).cumsum(0)
     packed_ids = ids.reshape(-1)[flat].unsqueeze(0)
@@ -186,6 +207,7 @@ def pack(
         grid_shape=(n, C),
         prefix=prefix,
         attention=attention,
+        grids=attention_grids(spans, S, ids.device) if attention == "sdpa" else None,
     )
 
 
@@ -219,48 +241,90 @@ def _units(rows: slice, lengths: list, groups: list | None) -> list:
 
 def _shared_layout(units: list, prompts: list, completion_lengths: list, completion, device):
     """The logit index [Nc] of a shared-prefix pack (a completion's first token is predicted by
-    its unit's last prompt token) and its :class:`SharedPrefix`, from the host's lengths."""
-    prompt_starts, query_starts, query_units, start = [], [], [], 0
+    its unit's last prompt token), its :class:`SharedPrefix` and its attention spans (see
+    :func:`attention_grids`), from the host's lengths."""
+    spans, segments, first_predictors, start = [], [], [], 0  # segments: (id, is a prompt, tokens)
     for u, (prompt, (_, members)) in enumerate(zip(prompts, units)):
-        prompt_starts.append(start)
-        start += prompt
-        for r in members:
-            query_starts.append(start)
-            query_units.append(u)
+        prompt_start, start = start, start + prompt
+        spans.append((prompt_start, prompt, 0, 0))
+        segments.append((u, True, prompt))
+        for r in members:  # the units hold the rows in order: completion r is segment U + r
+            spans.append((start, completion_lengths[r], prompt_start, prompt))
+            segments.append((len(units) + r, False, completion_lengths[r]))
+            if completion_lengths[r]:
+                first_predictors.append(prompt_start + prompt - 1)
             start += completion_lengths[r]
-    U, M = len(units), len(query_starts)
-    longest_prompt, longest = max(prompts, default=0), max(completion_lengths, default=0)
-    S = start
-    arange = torch.arange
-    prompt_starts_t = torch.tensor(prompt_starts, dtype=torch.long)
-    prompt_reads = (prompt_starts_t[:, None] + arange(longest_prompt)).clamp(max=max(S - 1, 0))
-    query_starts_t, query_units_t = torch.tensor(query_starts, dtype=torch.long), torch.tensor(query_units)
-    query_reads = (query_starts_t[:, None] + arange(longest)).clamp(max=max(S - 1, 0))
-    key_reads = torch.cat([prompt_reads[query_units_t], query_reads], 1)  # [M, Pmax + Rmax]
-    prompt_seen = arange(longest_prompt) < torch.tensor(prompts)[query_units_t][:, None]  # [M, Pmax]
-    own_seen = arange(longest)[None, :] <= arange(longest)[:, None]  # [Rmax, Rmax]: causal
-    key_mask = torch.cat([prompt_seen[:, None, :].expand(M, longest, longest_prompt), own_seen.expand(M, -1, -1)], 2)
-    slots = torch.empty(S, dtype=torch.long)
-    for u, (begin, prompt) in enumerate(zip(prompt_starts, prompts)):
-        slots[begin : begin + prompt] = u * longest_prompt + arange(prompt)
-    for m, (begin, length) in enumerate(zip(query_starts, completion_lengths)):  # the units hold the rows in order
-        slots[begin : begin + length] = U * longest_prompt + m * longest + arange(length)
-    lengths = torch.tensor(completion_lengths, dtype=torch.long)  # [M]
+    ids, is_prompt, tokens = (torch.tensor(column) for column in zip(*segments))
+    prefix = SharedPrefix(
+        prompt=torch.repeat_interleave(is_prompt, tokens, output_size=start).to(device),
+        segment=torch.repeat_interleave(ids, tokens, output_size=start).to(device),
+    )
     # Each completion's first token comes from its unit's last prompt position; the others
     # from the position before them, as unshared.
+    lengths = torch.tensor(completion_lengths, dtype=torch.long)
     firsts = torch.tensor([0] + lengths.tolist()).cumsum(0)[:-1][lengths > 0]
-    logit_index = completion - 1
-    last_prompt = (prompt_starts_t + torch.tensor(prompts) - 1)[query_units_t][lengths > 0]
-    logit_index = logit_index.index_put((firsts.to(device),), last_prompt.to(device))
-    prefix = SharedPrefix(
-        prompt_reads=prompt_reads.reshape(-1).to(device),
-        longest_prompt=longest_prompt,
-        query_reads=query_reads.reshape(-1).to(device),
-        key_reads=key_reads.reshape(-1).to(device),
-        key_mask=key_mask[:, None].to(device),
-        slots=slots.to(device),
-    )
-    return logit_index, prefix
+    predictors = torch.tensor(first_predictors, dtype=torch.long)
+    logit_index = (completion - 1).index_put((firsts.to(device),), predictors.to(device))
+    return logit_index, prefix, spans
+
+
+# Spans of unlike lengths go to separate SDPA calls, so that a call's padded work is at most
+# SLACK times its spans' own (queries x keys each) plus a call's fixed cost, in the same units:
+# one grid over a micro-batch's rows of 20 to 300 tokens spent 4x the attention of one call per
+# row on CPU (benchmarks/NOTES.md, "Attention on grids of like length"). On CUDA a call's fixed
+# cost (its launches, a grid too small to fill the device) is worth far more work than on CPU.
+SLACK = 1.25
+CALL_COST = {"cpu": 64 * 64, "cuda": 512 * 512}
+
+
+def attention_grids(spans: list, total: int, device) -> Grids:
+    """The :class:`Grids` that attend a pack of ``total`` tokens on ``device``. ``spans``: per
+    query span ``(start, length, prefix start, prefix length)`` in packed positions, a prefix
+    length of 0 for a span that attends causally to itself alone (a whole row, a shared
+    prompt), else to its prefix and causally to itself (a completion after its shared prompt).
+    Every packed token is in exactly one span. Spans go to calls first-fit, largest first: a
+    call takes a span while its padded work stays within ``SLACK`` of its spans' own plus one
+    call's fixed cost (:data:`CALL_COST`)."""
+    call_cost = CALL_COST.get(torch.device(device).type, CALL_COST["cuda"])
+    calls = []  # [prefix width, query width, own work, [span indices]]
+    for i in sorted(range(len(spans)), key=lambda i: _work(spans[i][3], spans[i][1]), reverse=True):
+        _, length, _, prefix = spans[i]
+        if length == 0:
+            continue
+        for call in calls:
+            if (call[0] > 0) != (prefix > 0):  # a causal grid takes no mask, a prefixed one needs it
+                continue
+            P, R = max(call[0], prefix), max(call[1], length)
+            own = call[2] + _work(prefix, length)
+            if (len(call[3]) + 1) * _work(P, R) <= SLACK * own + call_cost:
+                call[:3] = P, R, own
+                call[3].append(i)
+                break
+        else:
+            calls.append([prefix, length, _work(prefix, length), [i]])
+    last = max(total - 1, 0)
+    grids, slots, offset = [], torch.empty(total, dtype=torch.long), 0
+    for P, R, _, members in calls:
+        columns = zip(*(spans[i] for i in members))
+        starts, lengths, prefix_starts, prefixes = (torch.tensor(column) for column in columns)
+        query_reads = (starts[:, None] + torch.arange(R)).clamp(max=last)
+        grid = Grid(query_reads.reshape(-1).to(device), R)
+        if P:
+            key_reads = torch.cat([(prefix_starts[:, None] + torch.arange(P)).clamp(max=last), query_reads], 1)
+            seen_prefix = (torch.arange(P) < prefixes[:, None])[:, None, :].expand(-1, R, -1)  # [r, R, P]
+            causal = torch.ones(R, R, dtype=torch.bool).tril().expand(len(members), -1, -1)
+            mask = torch.cat([seen_prefix, causal], 2)[:, None]
+            grid = grid._replace(key_reads=key_reads.reshape(-1).to(device), key_mask=mask.to(device))
+        grids.append(grid)
+        for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
+            slots[start : start + length] = offset + row * R + torch.arange(length)
+        offset += len(members) * R
+    return Grids(tuple(grids), slots.to(device))
+
+
+def _work(prefix: int, length: int) -> int:
+    """A span's attention work, queries x keys (causal or not, SDPA scales alike)."""
+    return length * (prefix + length)
 
 
 def pack_by_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int, **options):
