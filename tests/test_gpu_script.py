@@ -71,8 +71,9 @@ def test_run_all_dry_run_passes_on_the_device_image(tmp_path):
     shared = step["shared_prefix"]  # each group's prompt once: the same log-probs, fewer tokens
     assert shared["check_passed"] and shared["timed"] == "fwd_s", shared  # CPU: FlexAttention has no backward
     rows = {(row["layout"], row["attention"]): row for row in shared["rows"]}
-    assert set(rows) == {(layout, kernel) for layout in ("whole", "shared") for kernel in ("sdpa", "flex")}, rows
-    for kernel in ("sdpa", "flex"):
+    kernels = ("sdpa", "sdpa_split", "flex")
+    assert set(rows) == {(layout, kernel) for layout in ("whole", "shared") for kernel in kernels}, rows
+    for kernel in kernels:
         whole, once = rows["whole", kernel], rows["shared", kernel]
         assert once["forward_tokens"] < whole["forward_tokens"] and once["fwd_s"] > 0, shared["rows"]
         assert max(once["max_abs_logprob_diff_fp32"], whole["max_abs_logprob_diff_fp32"]) < 1e-4, shared["rows"]

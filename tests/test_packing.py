@@ -192,18 +192,23 @@ def test_attention_grids_hold_each_token_once_within_their_padding_bound(monkeyp
     for call_cost in (0, 300, CALL_COST["cpu"]):
         monkeypatch.setitem(CALL_COST, "cpu", call_cost)
         grids = attention_grids(spans, S, "cpu")
-        reads = torch.cat([call.query_reads for call in grids.calls])
-        assert reads[grids.slots].tolist() == list(range(S)) and len(set(grids.slots.tolist())) == S
-        for call in grids.calls:
-            rows = call.query_reads.numel() // call.queries
-            starts = call.query_reads.view(rows, -1)[:, 0].tolist()
+        assert grids.query_reads[grids.slots].tolist() == list(range(S)) and len(set(grids.slots.tolist())) == S
+        calls = grids.calls
+        query_reads = grids.query_reads.split([call.rows * call.queries for call in calls])
+        key_reads = grids.key_reads.split([call.rows * call.keys for call in calls])
+        for call, reads, keys in zip(calls, query_reads, key_reads):
+            starts = reads.view(call.rows, -1)[:, 0].tolist()
             members = [span for span in spans if span[0] in starts and span[1] > 0]
-            assert len(members) == rows and len({span[3] > 0 for span in members}) == 1
+            assert len(members) == call.rows and len({span[3] > 0 for span in members}) == 1
             prefix = max(span[3] for span in members)
             own = sum(length * (p + length) for _, length, _, p in members)
-            assert rows * call.queries * (prefix + call.queries) <= SLACK * own + call_cost
-            if prefix:  # keys: the prefix padded to its longest, then the span; a mask of [r, 1, queries, keys]
-                assert call.key_mask.shape == (rows, 1, call.queries, prefix + call.queries)
+            assert call.rows * call.queries * (prefix + call.queries) <= SLACK * own + call_cost
+            assert call.keys == prefix + call.queries and (call.key_mask is None) == (prefix == 0)
+            if prefix:  # keys: the prefix padded to its longest, then the span, and which of them a query sees
+                assert call.key_mask.shape == (call.rows, 1, call.queries, call.keys)
+                assert torch.equal(keys.view(call.rows, -1)[:, prefix:], reads.view(call.rows, -1))
+            else:
+                assert torch.equal(keys, reads)
         if call_cost == 0:  # causal: 30 and 28 together, 2 alone; prefixed: 40, 3, 9 with 8, 1
             assert len(grids.calls) == 6
     monkeypatch.setitem(CALL_COST, "cpu", CALL_COST["cuda"])  # a GPU's: a call is worth 512 x 512

@@ -2,7 +2,8 @@
 model size, then grpo_fast's step against TRL's.
 
 Then (``shared_prefix`` in the JSON) one packed forward and backward with each group's
-prompt once against every row whole, each on SDPA and on FlexAttention, checked against
+prompt once against every row whole, each on SDPA (at the device's cost of a call, and
+split a call per length as on CPU) and on FlexAttention, checked against
 whole rows on SDPA in float32 first (log-probs and gradients).
 
 Loss paths: a randomly initialised Llama (hidden 1024, 12 layers, vocabulary 32000, about
@@ -99,7 +100,8 @@ def time_variant(fused_linear: bool, model_sizes: dict, run: dict, steps: int, d
 def shared_prefix_passes(model_sizes: dict, dry_run: bool, device: str, repeats: int) -> dict:
     """One micro-batch's packed forward and backward (the training pass's shape) with every row
     whole against each group's prompt once (``group_size=G``), each attended by SDPA on
-    gathered grids and by FlexAttention with a block mask (``attention="flex"``), on the
+    gathered grids of like length (at the device's cost of a call, and at CPU's: a call per
+    length, ``sdpa_split``) and by FlexAttention with a block mask (``attention="flex"``), on the
     realistic workload's layout: 4 groups of G = 8, prompts of 100-120 tokens, completions of
     1-45. The check, in float32: each layout's log-probs, and on CUDA its gradient, against
     whole rows on SDPA (max abs difference; FlexAttention has no CPU backward, so the dry run
@@ -108,6 +110,7 @@ def shared_prefix_passes(model_sizes: dict, dry_run: bool, device: str, repeats:
     memory."""
     from grpo_fast import token_logprobs
     from grpo_fast.packing import pack_micro_batches, packed_logits
+    from grpo_fast.packing.layout import CALL_COST
 
     sizes = dict(model_sizes)
     torch.manual_seed(0)
@@ -125,9 +128,22 @@ def shared_prefix_passes(model_sizes: dict, dry_run: bool, device: str, repeats:
             mask[i, P - length : P + n] = 1
     ids, mask = ids.to(device), mask.to(device)
     trains = device == "cuda"  # FlexAttention's backward is CUDA's only
+
+    def pack_with(kernel: str, group_size):
+        # sdpa_split: SDPA with CPU's cost of a call (layout.CALL_COST), a call per length
+        # where the default on CUDA makes one per kind: whether splitting pays on a GPU
+        saved = dict(CALL_COST)
+        if kernel == "sdpa_split":
+            CALL_COST[torch.device(device).type] = CALL_COST["cpu"]
+        try:
+            attention = "flex" if kernel == "flex" else "sdpa"
+            return pack_micro_batches(ids, mask, C, None, None, group_size, attention=attention)[0]
+        finally:
+            CALL_COST.update(saved)
+
     layouts = {
-        (layout, kernel): pack_micro_batches(ids, mask, C, None, None, size, attention=kernel)[0]
-        for kernel in ("sdpa", "flex")
+        (layout, kernel): pack_with(kernel, size)
+        for kernel in ("sdpa", "sdpa_split", "flex")
         for layout, size in (("whole", None), ("shared", G))
     }
 

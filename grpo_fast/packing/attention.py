@@ -104,19 +104,18 @@ def packed_sdpa(
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     heads, d = query.shape[1], query.shape[3]
+    calls = packed_grids.calls
 
-    def grid(x, reads, width):  # [1, h, S, d] -> [rows, h, width, d]
-        return x[0].index_select(1, reads).view(heads, -1, width, d).transpose(0, 1)
+    def grids(x, reads, width):  # [1, h, S, d] -> each call's [rows, h, width, d], one gather
+        flat = x[0].index_select(1, reads).split([call.rows * getattr(call, width) for call in calls], 1)
+        return [part.view(heads, call.rows, -1, d).transpose(0, 1) for part, call in zip(flat, calls)]
 
+    queries = grids(query, packed_grids.query_reads, "queries")
+    keys, values = (grids(x, packed_grids.key_reads, "keys") for x in (key, value))
     outputs = []
-    for call in packed_grids.calls:
-        q = grid(query, call.query_reads, call.queries)
-        if call.key_reads is None:
-            k, v = (grid(x, call.query_reads, call.queries) for x in (key, value))
-            out = sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling)
-        else:
-            k, v = (grid(x, call.key_reads, call.key_mask.shape[-1]) for x in (key, value))
-            out = sdpa(q, k, v, attn_mask=call.key_mask, dropout_p=dropout, scale=scaling)
+    for call, q, k, v in zip(calls, queries, keys, values):
+        causal = call.key_mask is None
+        out = sdpa(q, k, v, attn_mask=call.key_mask, dropout_p=dropout, is_causal=causal, scale=scaling)
         outputs.append(out.transpose(1, 2).reshape(-1, heads, d))
     return torch.cat(outputs).index_select(0, packed_grids.slots).unsqueeze(0), None
 

@@ -81,28 +81,30 @@ class SharedPrefix(NamedTuple):
 
 
 class Grid(NamedTuple):
-    """One SDPA call of a pack's attention (:class:`Grids`): r query spans gathered onto an
-    [r, queries] grid. ``key_reads`` None: each span attends causally to itself (the keys are
-    the queries' grid). Else each span attends to a prefix (its prompt) and causally to itself:
-    ``key_reads`` [r * keys] the packed positions of the prefix, padded, then of the span, and
-    ``key_mask`` [r, 1, queries, keys] the keys each query sees (always its prefix's first, so
-    no row is empty, even at the grid's padding, whose outputs are dropped).
+    """One SDPA call of a pack's attention (:class:`Grids`): ``rows`` query spans on a [rows,
+    queries] grid against [rows, keys] keys. ``key_mask`` None: each span attends causally to
+    itself (its keys are its queries, ``keys == queries``). Else each span attends to a prefix
+    (its prompt), padded to the longest, then causally to itself: ``key_mask`` [rows, 1,
+    queries, keys] the keys each query sees (always its prefix's first, so no row is empty,
+    even at the grid's padding, whose outputs are dropped)."""
 
-    query_reads [r * queries]: the packed positions of each span, padded past its end with
-    positions no real query sees."""
-
-    query_reads: torch.Tensor
+    rows: int
     queries: int
-    key_reads: torch.Tensor | None = None
+    keys: int
     key_mask: torch.Tensor | None = None
 
 
 class Grids(NamedTuple):
     """A pack's attention as a few SDPA calls (:func:`attention_grids`): ``calls`` a tuple of
-    :class:`Grid`, each over spans of like length; ``slots`` [S] each packed token's row in the
-    calls' outputs flattened and concatenated, [sum of r * queries]."""
+    :class:`Grid`, each over spans of like length. ``query_reads`` [sum of rows * queries] and
+    ``key_reads`` [sum of rows * keys]: the packed positions that fill the calls' grids, one
+    call after another (one gather each for all calls, so the backward scatters once); past a
+    span's end a grid reads positions no real query sees. ``slots`` [S]: each packed token's
+    row in the calls' outputs, flattened and concatenated."""
 
     calls: tuple
+    query_reads: torch.Tensor
+    key_reads: torch.Tensor
     slots: torch.Tensor
 
 
@@ -302,24 +304,27 @@ def attention_grids(spans: list, total: int, device) -> Grids:
                 break
         else:
             calls.append([prefix, length, _work(prefix, length), [i]])
-    last = max(total - 1, 0)
-    grids, slots, offset = [], torch.empty(total, dtype=torch.long), 0
+    last, arange = max(total - 1, 0), torch.arange
+    grids, query_reads, key_reads = [], [arange(0)], [arange(0)]
+    slots, offset = torch.empty(total, dtype=torch.long), 0
     for P, R, _, members in calls:
         columns = zip(*(spans[i] for i in members))
         starts, lengths, prefix_starts, prefixes = (torch.tensor(column) for column in columns)
-        query_reads = (starts[:, None] + torch.arange(R)).clamp(max=last)
-        grid = Grid(query_reads.reshape(-1).to(device), R)
+        queries = (starts[:, None] + arange(R)).clamp(max=last)  # [r, R]
+        keys, mask = queries, None
         if P:
-            key_reads = torch.cat([(prefix_starts[:, None] + torch.arange(P)).clamp(max=last), query_reads], 1)
-            seen_prefix = (torch.arange(P) < prefixes[:, None])[:, None, :].expand(-1, R, -1)  # [r, R, P]
+            keys = torch.cat([(prefix_starts[:, None] + arange(P)).clamp(max=last), queries], 1)  # [r, P + R]
+            seen_prefix = (arange(P) < prefixes[:, None])[:, None, :].expand(-1, R, -1)  # [r, R, P]
             causal = torch.ones(R, R, dtype=torch.bool).tril().expand(len(members), -1, -1)
-            mask = torch.cat([seen_prefix, causal], 2)[:, None]
-            grid = grid._replace(key_reads=key_reads.reshape(-1).to(device), key_mask=mask.to(device))
-        grids.append(grid)
+            mask = torch.cat([seen_prefix, causal], 2)[:, None].to(device)
+        grids.append(Grid(len(members), R, keys.shape[1], mask))
+        query_reads.append(queries.reshape(-1))
+        key_reads.append(keys.reshape(-1))
         for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
-            slots[start : start + length] = offset + row * R + torch.arange(length)
+            slots[start : start + length] = offset + row * R + arange(length)
         offset += len(members) * R
-    return Grids(tuple(grids), slots.to(device))
+    reads = (torch.cat(query_reads).to(device), torch.cat(key_reads).to(device))
+    return Grids(tuple(grids), *reads, slots.to(device))
 
 
 def _work(prefix: int, length: int) -> int:
