@@ -20,9 +20,11 @@ group's G rows) pack as one unit ``[prompt | completion_1 | ... | completion_g]`
 runs through the model once per micro-batch instead of G times (a group a micro-batch
 boundary splits carries its prompt on both sides). A completion's positions continue from the
 prompt's, as unshared; the prompt's last token predicts every completion's first
-(``logit_index`` repeats it); :class:`SharedPrefix` holds what the attention gathers with. The
-outputs and gradients are those of the whole rows: the prompt's gradient is the sum over its
-completions (tests/test_shared_prefix.py, to 1e-10 in float64).
+(``logit_index`` repeats it); :class:`SharedPrefix` marks each token's prompt or completion,
+and :func:`attention_grids` makes the pack's attention (every pack's, shared or not) a few
+SDPA calls on grids of like length. The outputs and gradients are those of the whole rows:
+the prompt's gradient is the sum over its completions (tests/test_shared_prefix.py, to 1e-10
+in float64).
 
 A row's extent is its attention mask, never its completion mask: in a multi-turn rollout a
 completion interleaves the model's tokens with a tool's output, whose tokens are real (context
