@@ -31,8 +31,9 @@ ONE_GRID = 10**18  # a call cost no pack reaches
 
 
 def time_layout(work, shared_prefix: bool, costs: dict, repeats: int, seed: int) -> dict:
-    """``{cost name: {reference_s, training_s, calls}}`` for one trainer of ``work``, every
-    cost on the same samples (the rollout after one step), alternating, medians."""
+    """``{cost name: {reference_s, training_s, calls_per_layer}}`` for one trainer of ``work``,
+    every cost on the same samples (the rollout after one step), alternating, medians;
+    ``calls_per_layer``: the SDPA calls a layer makes in a pass, over all its micro-batches."""
     trainer = work.trainer(steps=2, loss_type="grpo", generator="sampler", seed=seed, shared_prefix=shared_prefix)
     trainer.run_step()
     samples = trainer.source.next(trainer.data_position, trainer.version)

@@ -213,6 +213,8 @@ def test_attention_grids_hold_each_token_once_within_their_padding_bound(monkeyp
             assert len(grids.calls) == 6
     monkeypatch.setitem(CALL_COST, "cpu", CALL_COST["cuda"])  # a GPU's: a call is worth 512 x 512
     assert len(attention_grids(spans, S, "cpu").calls) == 2
+    with pytest.raises(ValueError, match="spans must hold each of the 122 packed tokens once"):
+        attention_grids(spans, S + 1, "cpu")
 
 
 def test_micro_batches_follow_the_token_budget():

@@ -3,7 +3,7 @@
 Attention must keep each sequence to itself: with ``flash_attention_2`` transformers reads
 ``cu_seq_lens_*`` and runs the varlen kernel; otherwise :func:`packed_attention` switches the
 model to :func:`packed_sdpa`, which gathers the packed queries, keys and values onto grids
-and makes one causal SDPA call per grid (exact: a real query attends only to real keys of its
+and makes one SDPA call per grid (exact: a real query attends only to real keys of its
 own sequence). A grid holds sequences of like length (``layout.attention_grids``): one grid
 over a micro-batch costs n * longest^2 in attention, which on rows of 20 to 300 tokens was 4x
 the work of the rows themselves; the block-diagonal S x S mask transformers builds from
@@ -29,7 +29,7 @@ from grpo_fast.packing.layout import Grids, Packed, attention_grids
 logger = logging.getLogger("grpo_fast")
 
 PACKED_ATTENTION = "grpo_fast_packed_sdpa"
-sdpa = torch.nn.functional.scaled_dot_product_attention
+_sdpa = torch.nn.functional.scaled_dot_product_attention
 
 
 def _on_flash(model) -> bool:
@@ -85,7 +85,8 @@ def packed_sdpa(
 
     query [1, heads, S, d], key and value [1, kv_heads, S, d]; ``packed_grids`` the pack's
     :class:`~grpo_fast.packing.layout.Grids` (``Packed.grids``); without them, whole
-    sequences with the boundaries ``cu_seq_lens_q`` [n + 1]. Returns ([1, S, heads, d], None).
+    sequences with the boundaries ``cu_seq_lens_q`` [n + 1], whose grids are then built in every
+    layer (a read of the boundaries to the host each). Returns ([1, S, heads, d], None).
     """
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError(
@@ -115,7 +116,7 @@ def packed_sdpa(
     outputs = []
     for call, q, k, v in zip(calls, queries, keys, values):
         causal = call.key_mask is None
-        out = sdpa(q, k, v, attn_mask=call.key_mask, dropout_p=dropout, is_causal=causal, scale=scaling)
+        out = _sdpa(q, k, v, attn_mask=call.key_mask, dropout_p=dropout, is_causal=causal, scale=scaling)
         outputs.append(out.transpose(1, 2).reshape(-1, heads, d))
     return torch.cat(outputs).index_select(0, packed_grids.slots).unsqueeze(0), None
 

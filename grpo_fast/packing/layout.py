@@ -289,6 +289,8 @@ def attention_grids(spans: list, total: int, device) -> Grids:
     Every packed token is in exactly one span. Spans go to calls first-fit, largest first: a
     call takes a span while its padded work stays within ``SLACK`` of its spans' own plus one
     call's fixed cost (:data:`CALL_COST`)."""
+    if sum(length for _, length, _, _ in spans) != total:
+        raise ValueError(f"spans must hold each of the {total} packed tokens once, got {spans}")
     call_cost = CALL_COST.get(torch.device(device).type, CALL_COST["cuda"])
     calls = []  # [prefix width, query width, own work, [span indices]]
     for i in sorted(range(len(spans)), key=lambda i: _work(spans[i][3], spans[i][1]), reverse=True):
