@@ -12,6 +12,7 @@ import torch
 from _steps import backward, next_batch, off_policy
 from conftest import completion_logits, completion_logprobs, max_err, rel_err
 
+import grpo_fast.packing.attention as packed_attention_module
 from grpo_fast import grpo_loss
 from grpo_fast.packing import micro_batches, pack, packed_logits, packed_sdpa, to_grid
 from grpo_fast.packing.layout import CALL_COST, SLACK, attention_grids
@@ -155,14 +156,20 @@ def test_pack_layout():
         pack(torch.tensor([[pad, pad, 4]]), torch.tensor([[0, 0, 1]]), 1, slice(0, 1))
 
 
-@pytest.mark.parametrize("call_cost", [None, 0], ids=["one-call", "a-call-per-length"])
-def test_packed_logits_equal_each_sequence_alone(monkeypatch, call_cost):
+@pytest.mark.parametrize(
+    "call_cost, kv_heads_in_kernel",
+    [(None, True), (0, True), (0, False)],
+    ids=["one-call", "a-call-per-length", "kv-heads-repeated"],
+)
+def test_packed_logits_equal_each_sequence_alone(monkeypatch, call_cost, kv_heads_in_kernel):
     """Attention stays within each packed sequence: the packed logits equal those of each
     sequence run alone (grouped-query attention, sequences of different lengths), on one grid
-    or on a grid per length; without the pack's grids, packed_sdpa attends the sequences of
-    ``cu_seq_lens_q`` the same."""
+    or on a grid per length, the key and value heads passed to SDPA as they are (CPU) or
+    repeated to the query heads (CUDA's way, here on CPU); without the pack's grids,
+    packed_sdpa attends the sequences of ``cu_seq_lens_q`` the same."""
     if call_cost is not None:
         monkeypatch.setitem(CALL_COST, "cpu", call_cost)
+    monkeypatch.setattr(packed_attention_module, "_kernels_take_gqa", lambda query: kv_heads_in_kernel)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=4, num_key_value_heads=1).double()
     input_ids = torch.randint(3, 15, (4, 9), generator=torch.Generator().manual_seed(0))

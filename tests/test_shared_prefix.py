@@ -12,6 +12,7 @@ import torch
 from conftest import max_err, rel_err
 from test_packing import assert_packed_equals_padded, float64_trainer
 
+import grpo_fast.packing.attention as packed_attention_module
 from grpo_fast.packing import (
     ATTENTIONS,
     pack,
@@ -97,11 +98,12 @@ def _values(model, packed, weights):
     return logits.detach(), hidden.detach(), grads
 
 
-@pytest.mark.parametrize("call_cost", [None, 0], ids=["few-calls", "a-call-per-length"])
+@pytest.mark.parametrize("call_cost", [None, 0], ids=["few-calls", "a-call-per-length-kv-heads-repeated"])
 @pytest.mark.parametrize("group_size", [1, 2, 8])
 def test_shared_prefix_equals_every_row_whole(model, group_size, call_cost, monkeypatch):
-    if call_cost is not None:  # the attention split into an SDPA call per length (layout.attention_grids)
+    if call_cost is not None:  # an SDPA call per length (layout.attention_grids), kv heads repeated as on CUDA
         monkeypatch.setitem(CALL_COST, "cpu", call_cost)
+        monkeypatch.setattr(packed_attention_module, "_kernels_take_gqa", lambda query: False)
     input_ids, attention = rollout(group_size, [4, 1, 7])
     N = input_ids.shape[0]
     split, calls = False, 0
