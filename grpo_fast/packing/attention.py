@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from grpo_fast.packing.layout import Grids, Packed, attention_grids
+from grpo_fast.packing.layout import Grids, Packed, attention_grids, whole_row_spans
 
 logger = logging.getLogger("grpo_fast")
 
@@ -98,8 +98,7 @@ def packed_sdpa(
     if packed_grids is None:
         if cu_seq_lens_q is None:
             raise ValueError("packed_sdpa needs the pack's packed_grids, or cu_seq_lens_q for whole sequences")
-        bounds = cu_seq_lens_q.tolist()
-        spans = [(start, end - start, 0, 0) for start, end in zip(bounds, bounds[1:])]
+        spans = whole_row_spans(cu_seq_lens_q.diff().tolist())
         packed_grids = attention_grids(spans, query.shape[2], query.device)
     # Grouped-query heads are gathered as they are, then passed to SDPA so (enable_gqa) where
     # its kernels take them, or each call's key and value grids repeated to the query heads.
@@ -231,11 +230,11 @@ def _held_through_backward(model, output: torch.Tensor) -> torch.Tensor:
 def _packed_inputs(model, packed: Packed) -> dict:
     cu, longest = packed.cu_seqlens, packed.max_length
     if _on_flash(model):
-        shared = {}
+        kernel = {}
     elif packed.attention == "flex":
-        shared = {"flex_block_mask": flex_block_mask(packed)}
+        kernel = {"flex_block_mask": flex_block_mask(packed)}
     else:
-        shared = {"packed_grids": packed.grids}
+        kernel = {"packed_grids": packed.grids}
     return dict(
         input_ids=packed.input_ids,
         position_ids=packed.position_ids,
@@ -244,7 +243,7 @@ def _packed_inputs(model, packed: Packed) -> dict:
         cu_seq_lens_k=cu,
         max_length_q=longest,
         max_length_k=longest,
-        **shared,
+        **kernel,
     )
 
 

@@ -190,7 +190,7 @@ def pack(
     completion = torch.nonzero_static(columns >= L - C, size=Nc).squeeze(1)
     if groups is None:
         sequences, logit_index, prefix = [total for total, _ in lengths], completion - 1, None
-        spans = [(start, length, 0, 0) for start, length in zip(itertools.accumulate(sequences, initial=0), sequences)]
+        spans = whole_row_spans(sequences)
     else:
         sequences = [p + sum(completion_lengths[r] for r in members) for p, (_, members) in zip(prompts, units)]
         logit_index, prefix, spans = _shared_layout(units, prompts, completion_lengths, completion, ids.device)
@@ -247,7 +247,10 @@ def _shared_layout(units: list, prompts: list, completion_lengths: list, complet
     """The logit index [Nc] of a shared-prefix pack (a completion's first token is predicted by
     its unit's last prompt token), its :class:`SharedPrefix` and its attention spans (see
     :func:`attention_grids`), from the host's lengths."""
-    spans, segments, first_predictors, start = [], [], [], 0  # segments: (id, is a prompt, tokens)
+    spans, segments, start = [], [], 0  # segments: (id, is a prompt, tokens)
+    # Each completion's first token comes from its unit's last prompt position; the others
+    # from the position before them, as unshared: (its index among the Nc, the predictor)
+    firsts, predictors, completed = [], [], 0
     for u, (prompt, (_, members)) in enumerate(zip(prompts, units)):
         prompt_start, start = start, start + prompt
         spans.append((prompt_start, prompt, 0, 0))
@@ -256,20 +259,17 @@ def _shared_layout(units: list, prompts: list, completion_lengths: list, complet
             spans.append((start, completion_lengths[r], prompt_start, prompt))
             segments.append((len(units) + r, False, completion_lengths[r]))
             if completion_lengths[r]:
-                first_predictors.append(prompt_start + prompt - 1)
+                firsts.append(completed)
+                predictors.append(prompt_start + prompt - 1)
             start += completion_lengths[r]
+            completed += completion_lengths[r]
     ids, is_prompt, tokens = (torch.tensor(column) for column in zip(*segments))
     prefix = SharedPrefix(
         prompt=torch.repeat_interleave(is_prompt, tokens, output_size=start).to(device),
         segment=torch.repeat_interleave(ids, tokens, output_size=start).to(device),
     )
-    # Each completion's first token comes from its unit's last prompt position; the others
-    # from the position before them, as unshared.
-    lengths = torch.tensor(completion_lengths, dtype=torch.long)
-    firsts = torch.tensor([0] + lengths.tolist()).cumsum(0)[:-1][lengths > 0]
-    predictors = torch.tensor(first_predictors, dtype=torch.long)
-    logit_index = (completion - 1).index_put((firsts.to(device),), predictors.to(device))
-    return logit_index, prefix, spans
+    firsts, predictors = (torch.tensor(column, dtype=torch.long).to(device) for column in (firsts, predictors))
+    return (completion - 1).index_put((firsts,), predictors), prefix, spans
 
 
 # Spans of unlike lengths go to separate SDPA calls, so that a call's padded work is at most
@@ -329,6 +329,12 @@ def attention_grids(spans: list, total: int, device) -> Grids:
         offset += len(members) * R
     reads = (torch.cat(query_reads).to(device), torch.cat(key_reads).to(device))
     return Grids(tuple(grids), *reads, slots.to(device))
+
+
+def whole_row_spans(lengths: list) -> list:
+    """The :func:`attention_grids` spans of sequences of ``lengths`` packed back to back, each
+    causal and to itself."""
+    return [(start, length, 0, 0) for start, length in zip(itertools.accumulate(lengths, initial=0), lengths)]
 
 
 def _work(prefix: int, length: int) -> int:
