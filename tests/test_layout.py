@@ -35,6 +35,7 @@ FORBIDDEN = [
     ("grpo_fast.tasks", ("grpo_fast.trainer",)),
     ("grpo_fast.integrations", ("grpo_fast.trainer",)),
     ("grpo_fast.packing", ("grpo_fast.trainer", "grpo_fast.integrations")),
+    ("grpo_fast.model_files", ("grpo_fast.trainer", "grpo_fast.integrations", "grpo_fast.ops", "grpo_fast.tasks")),
     *((core, SIDES + TOP) for core in CORE),
     (
         "grpo_fast.trainer.model",

@@ -217,9 +217,9 @@ def test_equal_prompts_share_wherever_they_are(model, padded_positions):
 
 
 def test_models_that_cannot_take_the_layout_pack_every_row_whole(caplog):
-    """A model on flash-attention (its varlen kernel would let completions see each other),
-    with sliding-window layers or with attention logit softcapping keeps today's pack, said
-    once per reason."""
+    """A model on flash-attention (its varlen kernel would let completions see each other) or
+    with attention logit softcapping keeps today's pack, said once per reason; sliding-window
+    layers take the shared layout (tests/test_real_models.py checks them)."""
     import types
 
     config = types.SimpleNamespace(shared_prefix=True, group_size=4)
@@ -229,12 +229,14 @@ def test_models_that_cannot_take_the_layout_pack_every_row_whole(caplog):
     attention._whole_rows_for.cache_clear()  # said once per process: count from here
     with caplog.at_level("INFO", logger="grpo_fast"):
         assert shared_group_size(config, model) is None and shared_group_size(config, model) is None
-        for blocker in ({"layer_types": ["full_attention", "sliding_attention"]}, {"attn_logit_softcapping": 50.0}):
-            other = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="sdpa", **blocker))
-            assert shared_group_size(config, other) is None
+        other = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="sdpa"))
+        other.config.attn_logit_softcapping = 50.0
+        assert shared_group_size(config, other) is None
+        other.config = types.SimpleNamespace(_attn_implementation="sdpa", layer_types=["sliding_attention"])
+        assert shared_group_size(config, other) == 4
     assert not hasattr(model.config, "_grpo_fast_no_shared_prefix")  # nothing written onto the model's config
     said = [r.message for r in caplog.records if "cannot take the shared layout" in r.message]
-    assert len(said) == 3 and "flash_attention_2" in said[0] and "sliding-window" in said[1], said
+    assert len(said) == 2 and "flash_attention_2" in said[0] and "softcapping" in said[1], said
     model.config._attn_implementation = "sdpa"
     assert shared_group_size(config, model) == 4
     assert shared_group_size(types.SimpleNamespace(shared_prefix=False, group_size=4), model) is None
@@ -247,3 +249,46 @@ def test_models_that_cannot_take_the_layout_pack_every_row_whole(caplog):
     assert packed.cu_seqlens.tolist() == [0, 3, 7, 10] and packed.input_ids.tolist() == [[1, 2, 3, 1, 4, 3, 5, 7, 2, 3]]
     (whole,) = pack_micro_batches(ids[[0, 2]], torch.ones_like(ids[[0, 2]]), 1, None, None, group_size=2)
     assert whole.prefix is None  # no prompt shared: every row whole
+
+
+@pytest.mark.parametrize("call_cost", [None, 0], ids=["few-calls", "a-call-per-length"])
+def test_sliding_windows_in_the_packed_layouts(call_cost, monkeypatch):
+    """Gemma 3's layers (a sliding window of 4 positions on 3 of 4 layers, one of 1 query and
+    2 kv heads, a scaled embedding) in float64: whole rows and shared prompts equal the padded
+    forward, whose mask transformers builds, to 1e-10 in logits, hidden states and every
+    gradient; with the window ignored they would not (a prompt of 7 and completions of 5
+    reach past it)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from conftest import completion_logits
+
+    if call_cost is not None:
+        monkeypatch.setitem(CALL_COST, "cpu", call_cost)
+    layers = ["sliding_attention"] * 3 + ["full_attention"]
+    config = Gemma3TextConfig(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, sliding_window=4, layer_types=layers, max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(5)
+    gemma = Gemma3ForCausalLM(config).double()
+    input_ids, attention = rollout(4, [4, 1, 7])
+    padded = completion_logits(gemma, input_ids, attention, C)  # [N, C, V], transformers' own masks
+    (whole,) = pack_micro_batches(input_ids, attention, C, None, None)
+    (shared,) = pack_micro_batches(input_ids, attention, C, None, None, group_size=4)
+    g = torch.Generator().manual_seed(0)
+    V, H = config.vocab_size, config.hidden_size
+    weights = (torch.randn(1, whole.targets.shape[1], V, generator=g).double(),)
+    weights += (torch.randn(whole.targets.shape[1], H, generator=g).double(),)
+    want = _values(gemma, whole, weights)
+    grid = to_grid(want[0][None], whole)  # [N, C, V], zero past each completion
+    real = attention[:, -C:].bool()
+    assert rel_err(grid[real], padded[real]) < 1e-10 and max_err(grid[real], padded[real]) < 1e-10
+    for a, b in zip(_values(gemma, shared, weights), want):
+        assert rel_err(a, b) < 1e-10 and max_err(a, b) < 1e-10
+    gemma.config.sliding_window = 64  # the same weights without a window that bites
+    for layer in gemma.model.layers:
+        layer.self_attn.sliding_window = 64 if layer.self_attn.sliding_window else None
+    with torch.no_grad():
+        unwindowed = packed_logits(gemma, whole)[0]  # [Nc, V]
+    assert max_err(unwindowed, want[0]) > 1e-3

@@ -137,12 +137,15 @@ def preset_settings(preset: str) -> dict:
 
 def check_causal_lm(path: str) -> None:
     """Raises ValueError unless ``path`` is a local folder holding a causal-LM config, or a Hub
-    name (as the trainer's ``--model`` takes it) whose config is cached or can be fetched."""
+    name (as the trainer's ``--model`` takes it) whose config is cached or can be fetched, or a
+    GGUF file or ``package:<module>`` (converted here, once: ``grpo_fast/model_files.py``)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from grpo_fast.model_files import model_folder
     from grpo_fast.tasks.datasets import is_local_path
 
+    path = model_folder(path)
     local = is_local_path(path)
     if local and (not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json"))):
         raise ValueError(f"model path {path!r} is not a model folder with a config.json (nothing is downloaded)")

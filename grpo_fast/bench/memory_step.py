@@ -53,10 +53,11 @@ def _build_policy(spec: dict):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from grpo_fast.model_files import model_folder
     from grpo_fast.tasks.datasets import is_local_path
 
     if spec.get("model_path"):
-        name = spec["model_path"]
+        name = model_folder(spec["model_path"])
         return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=is_local_path(name))
     shape = dict(spec["model"])
     length = spec["prompt_length"] + spec["completion_length"]

@@ -77,6 +77,7 @@ from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
 from trl.trainer.utils import maybe_gather_lm_head_ctx, nanmax, nanmin
 
+from grpo_fast.model_files import model_folder
 from grpo_fast.ops import fused_linear_token_logprobs
 from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_with_tokens
 from grpo_fast.ops.policy import LossInputs
@@ -217,13 +218,14 @@ class GRPOTrainer(trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose loss and no-grad log-prob passes run grpo_fast's fused LM head.
 
     Same constructor, same ``trl.GRPOConfig``; see the module docstring for what is honoured
-    and what defers to TRL.
+    and what defers to TRL. ``model`` may also be a ``.gguf`` file or ``package:<module>``
+    (read from its converted folder, ``grpo_fast/model_files.py``), and TRL saves ordinary folders.
     """
 
-    def __init__(self, *args, shared_prefix: bool = True, **kwargs):
+    def __init__(self, model, *args, shared_prefix: bool = True, **kwargs):
         if not isinstance(shared_prefix, bool):
             raise TypeError(f"shared_prefix must be a bool, got {shared_prefix!r}")
-        super().__init__(*args, **kwargs)
+        super().__init__(model_folder(model), *args, **kwargs)
         self._grpo_fast_warned = set()
         # Each prompt through the backbone once per micro-batch, where the model can take it.
         self.shared_prefix = shared_prefix and shared_layout_blocker(self.model) is None

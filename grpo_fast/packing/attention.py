@@ -13,9 +13,11 @@ short sequences).
 A shared-prefix pack (:class:`~grpo_fast.packing.layout.SharedPrefix`) attends each prompt
 causally to itself and each completion to its prompt and causally to itself, never to another
 completion: the prompts on causal grids, the completions on grids of [its prompt | itself]
-keys with a mask, no S x S mask anywhere. flash-attention's varlen kernel cannot take that
-layout, nor can :func:`packed_sdpa` take a sliding window or logit softcapping, so those
-models pack whole rows (:func:`shared_layout_blocker`).
+keys with a mask, no S x S mask anywhere. A sliding-window layer masks, on the calls whose
+spans reach past its window, the keys further back than the window (positions counted within
+each unit, as in the whole row). flash-attention's varlen kernel cannot take the shared layout,
+nor can :func:`packed_sdpa` take logit softcapping, so those models pack whole rows
+(:func:`shared_layout_blocker`).
 """
 
 import contextlib
@@ -24,7 +26,7 @@ import logging
 
 import torch
 
-from grpo_fast.packing.layout import Grids, Packed, attention_grids, whole_row_spans
+from grpo_fast.packing.layout import Grids, Packed, attention_grids, whole_row_spans, window_mask
 
 logger = logging.getLogger("grpo_fast")
 
@@ -41,18 +43,13 @@ def _on_flash(model) -> bool:
 def shared_layout_blocker(model) -> str | None:
     """Why ``model``'s attention cannot run the shared layout (a phrase, logged once per
     process), or None: flash-attention's varlen kernel would let a completion see its group's
-    other completions, and :func:`packed_sdpa` has no sliding window or logit softcapping."""
+    other completions, and :func:`packed_sdpa` has no logit softcapping (it takes sliding
+    windows)."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if _on_flash(model):
         reason = (
             f"{model.config._attn_implementation} (its varlen kernel would let a group's completions see each other)"
         )
-    elif "sliding_attention" in (getattr(text, "layer_types", None) or ()) or (
-        getattr(text, "layer_types", None) is None
-        and getattr(text, "sliding_window", None) is not None
-        and getattr(text, "use_sliding_window", True)
-    ):
-        reason = "sliding-window attention"
     elif getattr(text, "attn_logit_softcapping", None) is not None:
         reason = "attention logit softcapping"
     else:
@@ -86,14 +83,21 @@ def packed_sdpa(
     query [1, heads, S, d], key and value [1, kv_heads, S, d]; ``packed_grids`` the pack's
     :class:`~grpo_fast.packing.layout.Grids` (``Packed.grids``); without them, whole
     sequences with the boundaries ``cu_seq_lens_q`` [n + 1], whose grids are then built in every
-    layer (a read of the boundaries to the host each). Returns ([1, S, heads, d], None).
+    layer (a read of the boundaries to the host each). A sliding layer's ``sliding_window``
+    (Gemma 2/3, Mistral) masks each call's keys past the window (``layout.window_mask``, only
+    on calls whose spans reach past it). Returns ([1, S, heads, d], None).
     """
-    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+    if kwargs.get("softcap") is not None:
         raise ValueError(
-            "packed_sdpa computes full causal attention; a model with a sliding window or logit softcapping needs "
+            "packed_sdpa has no attention logit softcapping; such a model needs "
             "attn_implementation='flash_attention_2' for packed sequences"
         )
+    window = kwargs.get("sliding_window")
     if kwargs.get("flex_block_mask") is not None:
+        if window is not None:
+            raise ValueError(
+                f"attention_kernel='flex' has no sliding window (this layer's is {window}); use attention_kernel='sdpa'"
+            )
         return _flex(query, key, value, kwargs["flex_block_mask"], dropout, scaling), None
     if packed_grids is None:
         if cu_seq_lens_q is None:
@@ -116,10 +120,9 @@ def packed_sdpa(
     for call, q, k, v in zip(calls, queries, keys, values):
         if groups > 1 and not gqa:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        causal = call.key_mask is None
-        out = _sdpa(
-            q, k, v, attn_mask=call.key_mask, dropout_p=dropout, is_causal=causal, scale=scaling, enable_gqa=gqa
-        )
+        mask = call.key_mask if window is None else window_mask(call, window, query.device)
+        mask = call.key_mask if mask is None else mask  # a window no span reaches changes nothing
+        out = _sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa)
         outputs.append(out.transpose(1, 2).reshape(-1, query.shape[1], query.shape[3]))
     return torch.cat(outputs).index_select(0, packed_grids.slots).unsqueeze(0), None
 

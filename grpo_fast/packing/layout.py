@@ -88,12 +88,14 @@ class Grid(NamedTuple):
     itself (its keys are its queries, ``keys == queries``). Else each span attends to a prefix
     (its prompt), padded to the longest, then causally to itself: ``key_mask`` [rows, 1,
     queries, keys] the keys each query sees (always its prefix's first, so no row is empty,
-    even at the grid's padding, whose outputs are dropped)."""
+    even at the grid's padding, whose outputs are dropped), and ``prefixes`` [rows] the
+    prefixes' lengths (:func:`window_mask` reads them)."""
 
     rows: int
     queries: int
     keys: int
     key_mask: torch.Tensor | None = None
+    prefixes: torch.Tensor | None = None
 
 
 class Grids(NamedTuple):
@@ -321,7 +323,7 @@ def attention_grids(spans: list, total: int, device) -> Grids:
             seen_prefix = (arange(P) < prefixes[:, None])[:, None, :].expand(-1, R, -1)  # [r, R, P]
             causal = torch.ones(R, R, dtype=torch.bool).tril().expand(len(members), -1, -1)
             mask = torch.cat([seen_prefix, causal], 2)[:, None].to(device)
-        grids.append(Grid(len(members), R, keys.shape[1], mask))
+        grids.append(Grid(len(members), R, keys.shape[1], mask, prefixes.to(device) if P else None))
         query_reads.append(queries.reshape(-1))
         key_reads.append(keys.reshape(-1))
         for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
@@ -329,6 +331,25 @@ def attention_grids(spans: list, total: int, device) -> Grids:
         offset += len(members) * R
     reads = (torch.cat(query_reads).to(device), torch.cat(key_reads).to(device))
     return Grids(tuple(grids), *reads, slots.to(device))
+
+
+def window_mask(call: Grid, window: int, device) -> torch.Tensor | None:
+    """The keys each query of ``call`` sees under a sliding window of ``window`` positions (a
+    query at position i sees keys at positions j with i - window < j <= i, as transformers'
+    sliding layers do), [rows or 1, 1, queries, keys] on ``device``; None when no span of the
+    call reaches that far (its own mask, or causality, already holds). Positions count from
+    each unit's start: a completion's first query sits right after its prefix."""
+    if call.keys <= window:
+        return None
+    offsets = torch.arange(call.queries, device=device)
+    if call.key_mask is None:  # causal: the keys are the queries
+        distance = offsets[:, None] - offsets[None, :]  # [R, R]
+        return ((distance >= 0) & (distance < window))[None, None]
+    query_positions = call.prefixes[:, None] + offsets  # [r, R]
+    prefix_positions = torch.arange(call.keys - call.queries, device=device).expand(call.rows, -1)
+    key_positions = torch.cat([prefix_positions, query_positions], 1)  # [r, P + R]
+    near = (query_positions[:, :, None] - key_positions[:, None, :]) < window  # [r, R, P + R]
+    return call.key_mask & near[:, None]
 
 
 def whole_row_spans(lengths: list) -> list:

@@ -4,6 +4,7 @@ environment, their limits and engine) and the asynchronous worker's, which
 naming the first inconsistent setting, before anything loads."""
 
 from grpo_fast.environments import ENVIRONMENTS
+from grpo_fast.model_files import gguf_path, is_model_file
 from grpo_fast.tasks import TASKS
 from grpo_fast.tasks.datasets import is_local_path
 from grpo_fast.tools import TOOLS
@@ -103,9 +104,13 @@ def check_asynchrony(config) -> None:
 def check_model_source(config) -> None:
     """Raises ValueError, before anything loads, when ``config.model`` is a Hub name that
     cannot be reached: not in the local cache and offline (``HF_HUB_OFFLINE=1``, or no
-    network), or not on the Hub (a typo, a private repository). Its config file is what is
+    network), or not on the Hub (a typo, a private repository); or a GGUF file or
+    ``package:<module>`` that is not there. Its config file is what is
     fetched (a few KB), so a reachable model costs nothing more here; only huggingface_hub is
     imported (the command line checks before torch and transformers load)."""
+    if is_model_file(config.model):
+        gguf_path(config.model)  # the file or package exists; it converts when the model loads
+        return
     if config.model is None or is_local_path(config.model):
         return
     from huggingface_hub import hf_hub_download

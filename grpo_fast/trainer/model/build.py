@@ -15,8 +15,9 @@ from grpo_fast.trainer.model.packed_policy import PackedPolicy, filler
 
 
 def load_model_and_tokenizer(config, flash_attention: bool = False, before_model=None, tools: bool = False):
-    """The policy and tokenizer: ``config.model`` (a Hub name at ``config.model_revision``, or
-    a local folder) through ``from_pretrained``, or the built-in task's (``config.task``).
+    """The policy and tokenizer: ``config.model`` (a Hub name at ``config.model_revision``, a
+    local folder, or a GGUF file or ``package:<module>``, read from its converted folder: see
+    ``grpo_fast/model_files.py``) through ``from_pretrained``, or the built-in task's (``config.task``).
     ``flash_attention`` loads the model with ``flash_attention_2``, whose varlen kernels run the
     packed forwards (see ``grpo_fast/packing/``). ``before_model(tokenizer)`` runs between the two (a
     run with tools checks its chat template there, before the model takes its time to load).
@@ -38,15 +39,16 @@ def load_model_and_tokenizer(config, flash_attention: bool = False, before_model
         return model, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.model, revision=config.model_revision)
+    from grpo_fast.model_files import is_model_file, model_folder
+
+    source, revision = model_folder(config.model), None if is_model_file(config.model) else config.model_revision
+    tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if before_model is not None:
         before_model(tokenizer)
     attention = dict(attn_implementation="flash_attention_2") if flash_attention else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        config.model, revision=config.model_revision, dtype=torch.float32, **attention
-    )
+    model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=torch.float32, **attention)
     return model, tokenizer
 
 

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from grpo_fast.model_files import is_model_file, model_folder
 from grpo_fast.trainer import distributed as distributed_module
 from grpo_fast.trainer.distributed import launched_by_torchrun
 from grpo_fast.trainer.rollout.engines import Generation, Generator, Turns, assemble, continue_turns, encode_prompts
@@ -184,7 +185,7 @@ class VLLMGenerator(Generator):
             length = max_model_len(self.model.config, settings)
             self.llm = vllm.LLM(
                 model=source,
-                revision=settings.model_revision if settings.model is not None else None,
+                revision=None if settings.model is None or is_model_file(settings.model) else settings.model_revision,
                 skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer decodes
                 dtype=dtype,
                 seed=settings.seed,
@@ -216,7 +217,7 @@ class VLLMGenerator(Generator):
         else a temporary copy (LoRA merged) that rank 0 writes for every rank of a torchrun job
         (every rank gathers the weights: under FSDP2 that is a collective)."""
         if self.settings.model is not None:
-            yield self.settings.model
+            yield model_folder(self.settings.model)
             return
         job = launched_by_torchrun() and torch.distributed.is_initialized()
         main = not job or torch.distributed.get_rank() == 0
