@@ -9,7 +9,7 @@ and of the maximum length, grouped-query attention, and micro-batches that split
 
 import pytest
 import torch
-from conftest import max_err, rel_err
+from conftest import completion_logits, max_err, rel_err
 from test_packing import assert_packed_equals_padded, float64_trainer
 
 import grpo_fast.packing.attention as packed_attention_module
@@ -259,8 +259,6 @@ def test_sliding_windows_in_the_packed_layouts(call_cost, monkeypatch):
     gradient; with the window ignored they would not (a prompt of 7 and completions of 5
     reach past it)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    from conftest import completion_logits
 
     if call_cost is not None:
         monkeypatch.setitem(CALL_COST, "cpu", call_cost)
