@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     command += f" --steps {args.steps}" if args.steps else ""
     command += (" --set " + " ".join(args.set)) if args.set else ""
     command += f" --parallel {args.parallel}" if args.parallel > 1 else ""
-    out = dict(command=command, machine=machine_info(), date=time.strftime("%Y-%m-%d"), runs=results)
+    out = dict(command=command, machine=machine_info(), date=time.strftime("%Y-%m-%d"), threads=threads, runs=results)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     plot(results, args.json[: -len(".json")] + ".png")
