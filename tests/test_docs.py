@@ -237,10 +237,15 @@ def test_the_guess_task_numbers_match_their_json():
     readme = " ".join(read("README.md").split())
 
     def finals(arm):
-        values = [f"{runs[seed, arm][max(runs[seed, arm], key=int)]:.2f}" for seed in seeds]
-        return f"{', '.join(values[:-1])} and {values[-1]}"
+        return listed(runs[seed, arm][max(runs[seed, arm], key=int)] for seed in seeds)
 
     assert f"{finals('feedback')} reading the answers against {finals('one_guess')} with one guess" in readme
+
+
+def listed(values) -> str:
+    """Numbers as the README's sentences print them: "0.73, 0.86 and 0.54"."""
+    values = [f"{v:.2f}" for v in values]
+    return f"{', '.join(values[:-1])} and {values[-1]}"
 
 
 def test_the_real_model_numbers_match_their_json():
@@ -256,9 +261,5 @@ def test_the_real_model_numbers_match_their_json():
         )
         assert row in page, row
     readme = " ".join(read("README.md").split())
-
-    def listed(key):
-        values = [f"{run[key]:.2f}" for run in runs]
-        return f"{', '.join(values[:-1])} and {values[-1]}"
-
-    assert f"held-out pass@1 goes from {listed('before')} to {listed('after')}" in readme
+    before, after = (listed(run[key] for run in runs) for key in ("before", "after"))
+    assert f"held-out pass@1 goes from {before} to {after}" in readme
