@@ -27,6 +27,7 @@ standard library is imported at module level; ``gguf`` and transformers load whe
 import fcntl
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -37,8 +38,6 @@ import tempfile
 logger = logging.getLogger(__name__)
 
 PACKAGE_PREFIX = "package:"
-# tensor types that gguf.dequantize reads without its quantization tables
-_PLAIN_TYPES = ("F32", "F16")
 _EXTRA = 'pip install "grpo-fast[gguf]"'
 _DIGESTS = {}  # (path, size, mtime) -> sha256: a process hashes a file once
 
@@ -95,7 +94,7 @@ def check_gguf(path: str) -> str:
     if missing:
         raise ImportError(f"model {path!r} is a GGUF file, which needs {' and '.join(missing)}: {_EXTRA}")
     import gguf
-    from gguf.quants import _type_traits
+    import gguf.quants
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     with open(path, "rb") as f:
@@ -113,13 +112,26 @@ def check_gguf(path: str) -> str:
             f"{sorted(GGUF_SUPPORTED_ARCHITECTURES)}"
         )
     types = {gguf.GGMLQuantizationType(t.tensor_type) for t in reader.tensors}
-    unsupported = sorted(t.name for t in types if t.name not in _PLAIN_TYPES and t not in _type_traits)
+    unsupported = sorted(t.name for t in types if not _dequantizable(gguf, t))
     if unsupported:
         raise ValueError(
-            f"model {path!r}: the gguf package cannot dequantize tensor type(s) {unsupported}; the types it "
-            "reads: F32, F16 and " + ", ".join(sorted(t.name for t in _type_traits))
+            f"model {path!r}: the gguf package ({importlib.metadata.version('gguf')}) cannot dequantize tensor "
+            f"type(s) {unsupported}; convert the file to another quantization (llama.cpp's llama-quantize)"
         )
     return architecture
+
+
+def _dequantizable(gguf, tensor_type) -> bool:
+    """Whether ``gguf.quants.dequantize`` (what transformers calls) reads ``tensor_type``: it is
+    asked to dequantize one block of zeros."""
+    import numpy as np
+
+    _, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
+    try:
+        gguf.quants.dequantize(np.zeros((1, block_bytes), np.uint8), tensor_type)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _sha256(path: str) -> str:
