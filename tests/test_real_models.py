@@ -223,7 +223,7 @@ def test_the_laptop_recipe_trains_two_steps_and_saves_a_folder_that_loads(tmp_pa
 
     assert "grpo-fast train --config recipes/smollm2_135m_arithmetic_cpu.yaml" in open(RECIPE).read()
     config = GRPOConfig.from_yaml(
-        RECIPE, steps=2, batch_size=4, group_size=2, max_new_tokens=6, eval_every=0, save_every=2,
+        RECIPE, steps=2, batch_size=2, group_size=2, max_new_tokens=6, eval_every=0, save_every=2,
         progress=False, output_dir=str(tmp_path / "run"),
     )  # fmt: skip
     assert config.model == SMOLLM2
