@@ -222,9 +222,10 @@ def test_the_laptop_recipe_trains_two_steps_and_saves_a_folder_that_loads(tmp_pa
     from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 
     assert "grpo-fast train --config recipes/smollm2_135m_arithmetic_cpu.yaml" in open(RECIPE).read()
+    dataset = GRPOConfig.from_yaml(RECIPE).dataset + "&size=8"  # the recipe's task, not its 10,000 rows
     config = GRPOConfig.from_yaml(
         RECIPE, steps=2, batch_size=2, group_size=2, max_new_tokens=6, eval_every=0, save_every=2,
-        progress=False, output_dir=str(tmp_path / "run"),
+        progress=False, output_dir=str(tmp_path / "run"), dataset=dataset,
     )  # fmt: skip
     assert config.model == SMOLLM2
     trainer = GRPOTrainer(config)
