@@ -19,7 +19,9 @@ to ``--resume auto`` from.
 """
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import logging
 import os
 import sys
@@ -28,7 +30,7 @@ import typing
 
 from grpo_fast.spec import option_default
 from grpo_fast.trainer.checks import check_model_source
-from grpo_fast.trainer.config import TOPICS, GRPOConfig
+from grpo_fast.trainer.config import TOPICS, GRPOConfig, read_yaml
 from grpo_fast.trainer.trl_names import TRL_ALIASES, TRL_INSTEAD
 
 BENCHMARKS = {
@@ -119,11 +121,17 @@ def help_topics(config_class=None) -> dict:
     return {topic: names for topic, names in out.items() if names}
 
 
-def _add_field(group, field: dataclasses.Field) -> None:
-    """A config field's flag (all its :func:`flag_names`), typed from the annotation."""
+def _add_field(group, field: dataclasses.Field, resolved: GRPOConfig | None = None) -> None:
+    """A config field's flag (all its :func:`flag_names`), typed from the annotation; its help
+    gives the default and, where ``resolved`` takes the value from another layer, that value
+    and its layer."""
     names = flag_names(field.name)
     kind, nargs = _flag_type(field)
-    common = dict(dest=field.name, default=None, help=f"{field.metadata['help']} (default: {option_default(field)})")
+    shown = f"default: {option_default(field)}"
+    source = resolved.sources.get(field.name, "default") if resolved is not None else "default"
+    if source != "default":
+        shown += f"; this run: {getattr(resolved, field.name)}, from: {source}"
+    common = dict(dest=field.name, default=None, help=f"{field.metadata['help']} ({shown})")
     if kind is bool:
         group.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
     elif nargs:
@@ -144,7 +152,8 @@ class _TRLOnly(argparse.Action):
         parser.error(f"{option_string} is TRL's and has no equivalent here: use {self.instead}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(resolved: GRPOConfig | None = None) -> argparse.ArgumentParser:
+    """The CLI; ``resolved``: the config that train's --help shows the values of (:func:`_resolved`)."""
     # No abbreviations: argparse would otherwise read --lr as --lr-schedule.
     parser = argparse.ArgumentParser(prog="grpo-fast", description="Fast, lean GRPO training.", allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -169,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     for topic, names in help_topics().items():
         group = train.add_argument_group(topic)
         for name in names:
-            _add_field(group, fields[name])
+            _add_field(group, fields[name], resolved)
     for trl, instead in TRL_INSTEAD.items():
         train.add_argument(
             f"--{trl.replace('_', '-')}", nargs="?", action=_TRLOnly, instead=instead, help=argparse.SUPPRESS
@@ -211,7 +220,8 @@ def _latest_run(root: str = "runs"):
 
 
 def make_config(args: argparse.Namespace) -> GRPOConfig:
-    """Defaults, then the YAML file (or the resumed run's saved config), then the flags."""
+    """The layers, each later one winning: the defaults, the task's settings, the YAML file
+    (or the resumed run's saved config), then the flags given."""
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig)}
     overrides = {k: None if v == NONE else v for k, v in overrides.items() if v is not None}
     config_file = args.config
@@ -224,9 +234,8 @@ def make_config(args: argparse.Namespace) -> GRPOConfig:
         saved = os.path.join(overrides["output_dir"], "config.yaml")
         if config_file is None and os.path.isfile(saved):
             config_file = saved
-    if config_file is not None:
-        return GRPOConfig.from_yaml(config_file, **overrides)
-    return GRPOConfig.from_dict(overrides)
+    file = [(f"file {config_file}", read_yaml(config_file))] if config_file is not None else []
+    return GRPOConfig.from_layers(*file, ("flag", overrides))
 
 
 def train(args: argparse.Namespace) -> int:
@@ -334,9 +343,23 @@ def _log_to_stderr() -> None:
         logger.setLevel(logging.INFO)
 
 
+def _resolved(argv: list) -> GRPOConfig | None:
+    """The config that train's flags in ``argv`` resolve to, the help flag aside, so that
+    ``grpo-fast train --task guess_number --help`` shows each value this run would take and
+    its layer; None when they do not resolve (the help then shows the defaults alone)."""
+    rest = [arg for arg in argv if arg not in ("-h", "--help")]
+    with contextlib.redirect_stderr(io.StringIO()):  # a flag's error is the real parse's to print
+        try:
+            args = build_parser().parse_args(rest)
+            return make_config(args) if args.command == "train" else None
+        except (SystemExit, ValueError, TypeError, FileNotFoundError):
+            return None
+
+
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(dashed(sys.argv[1:] if argv is None else argv))
+    argv = dashed(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_resolved(argv) if {"-h", "--help"} & set(argv) else None)
+    args = parser.parse_args(argv)
     _log_to_stderr()
     try:
         if args.command == "bench":  # the benchmark's module is imported only when it runs

@@ -45,6 +45,9 @@ def test_flags_config_file_and_resume(tmp_path):
     out = str(tmp_path / "run")
     assert main(["train", "--config", str(config), "--output", out, "--seed", "3", *SMALL]) == 0
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
+    saved = (tmp_path / "run" / "config.yaml").read_text()  # each setting with the layer it came from
+    for line in ("seed: 3  # flag", f"learning_rate: 0.002  # file {config}", "eps_low: 0.2  # default"):
+        assert f"\n{line}\n" in saved, line
     assert all(m["kl"] is None for m in read_metrics(out))  # beta 0: no reference model
     # --resume reads the run's saved config; --steps extends it.
     assert main(["train", "--resume", "--output", out, "--steps", "3", "--no-progress"]) == 0
@@ -245,3 +248,51 @@ def test_an_optional_flag_takes_the_word_none(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--max-prompt-length", "twelve"])
     assert "argument --max-prompt-length: invalid int value: 'twelve'" in capsys.readouterr().err
+
+
+def test_every_layer_wins_over_the_ones_below_even_with_the_default_value(tmp_path, capsys):
+    """A setting's layers, each later one winning: the field's default, the task's settings, the
+    YAML file, the flags given (in Python: a field given to GRPOConfig). Each pair is tried
+    with the higher layer giving the field's default value and the lower one another: a value
+    equal to its default was once replaced by the task's (``--task guess_number --group-size
+    16`` trained with G = 4). ``sources`` names the layer; ``--help`` shows the resolved value."""
+    from grpo_fast.tasks import TASK_SETTINGS
+    from grpo_fast.trainer.config import GRPOConfig
+
+    task = TASK_SETTINGS["guess_number"]
+    default = GRPOConfig().group_size
+    assert task["group_size"] != default != 8
+
+    def resolved(argv, file_text=None):
+        if file_text is not None:
+            (tmp_path / "run.yaml").write_text(file_text)
+            argv = ["--config", str(tmp_path / "run.yaml"), *argv]
+        config = make_config(build_parser().parse_args(["train", *argv]))
+        return config.group_size, config.sources["group_size"]
+
+    file = f"file {tmp_path / 'run.yaml'}"
+    assert resolved([]) == (default, "default")
+    assert resolved(["--task", "guess_number"]) == (task["group_size"], "task guess_number")  # task > default
+    assert resolved([], "group_size: 8\n") == (8, file)  # file > default
+    assert resolved([], f"task: guess_number\ngroup_size: {default}\n") == (default, file)  # file > task
+    assert resolved(["-G", "8"]) == (8, "flag")  # flag > default
+    assert resolved(["--task", "guess_number", "-G", str(default)]) == (default, "flag")  # flag > task
+    assert resolved(["-G", str(default)], "task: guess_number\ngroup_size: 8\n") == (default, "flag")  # flag > file
+    # every setting of the task, given on the command line at its default, is kept
+    flags = [f"--{name.replace('_', '-')}={getattr(GRPOConfig(), name)}" for name in task if name != "environment"]
+    config = make_config(build_parser().parse_args(["train", "--task", "guess_number", *flags]))
+    for name in task:
+        expected = ("task guess_number", task[name]) if name == "environment" else ("flag", getattr(GRPOConfig(), name))
+        assert (config.sources[name], getattr(config, name)) == expected, name
+    # in Python, a field given is kept; to_yaml reads back with every value and names each layer
+    config = GRPOConfig(task="guess_number", group_size=default)
+    assert (config.group_size, config.sources["group_size"], config.max_new_tokens) == (default, "argument", 32)
+    (tmp_path / "saved.yaml").write_text(config.to_yaml())
+    assert GRPOConfig.from_yaml(str(tmp_path / "saved.yaml")).to_dict() == config.to_dict()
+    assert f"\ngroup_size: {default}  # argument\n" in config.to_yaml()
+    assert "\nmax_new_tokens: 32  # task guess_number\n" in config.to_yaml()
+    with pytest.raises(SystemExit):
+        main(["train", "--task", "guess_number", "-G", str(default), "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(default: {default}; this run: {default}, from: flag)" in text
+    assert "(default: 4; this run: 32, from: task guess_number)" in text  # max_new_tokens

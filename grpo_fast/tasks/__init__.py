@@ -22,7 +22,7 @@ TASKS = {
     "tool_arithmetic": "grpo_fast.tasks.tool_arithmetic:tool_arithmetic_reward",
     "guess_number": "grpo_fast.tasks.guess_number:environment_reward",
 }
-# A task's own defaults, which replace the config's where a field holds its default
+# A task's own settings, a layer above the config's defaults and below a YAML file and the flags
 # (GRPOConfig.__post_init__): the tool task's trajectory (a call, the calculator's answer, the
 # final answer) needs about 22 tokens. guess_number plays in its environment (3 guesses of 2
 # tokens, 2 answers of 10: 26 tokens) and evaluates on its balanced games every 50 steps; its

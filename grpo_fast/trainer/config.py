@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from grpo_fast.environments.verifiers import is_verifiers
 from grpo_fast.model_files import is_model_file
-from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option, option_default
+from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, LossConfig, check_sampling_correction, option
 from grpo_fast.tasks import TASK_SETTINGS
 from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
 from grpo_fast.trainer import checks
@@ -280,17 +280,35 @@ class GRPOConfig(LossConfig):
     )
     eval_pass_threshold: float = option(1.0, "a sample passes when its combined reward is at least this", topic=EVAL)
 
+    def __new__(cls, *args, **kwargs):
+        # the fields a caller gives are never replaced by a task's settings: __post_init__ has
+        # only the values, so the names are noted here (positional arguments in field order)
+        self = super().__new__(cls)
+        names = [f.name for f in dataclasses.fields(cls)[: len(args)]]
+        object.__setattr__(self, "_given", frozenset(names) | kwargs.keys())
+        return self
+
     def __post_init__(self):
-        """Fields may be edited one by one: validation waits for ``validate()``. A built-in
-        task's own defaults (``TASK_SETTINGS``) replace the config's where a field holds its
-        default (the tool task's trajectory needs max_new_tokens 32, not the demo's 4). A verifiers
-        environment (``verifiers:<taskset id>``) without a dataset plays its taskset's tasks."""
-        defaults = {f.name: option_default(f) for f in dataclasses.fields(self)}
-        for name, value in TASK_SETTINGS.get(self.task, {}).items():
-            if getattr(self, name) == defaults[name]:
-                setattr(self, name, value)
+        """Fields may be edited one by one: validation waits for ``validate()``. Each value
+        comes from a layer, a later one winning: the field's default, a built-in task's own
+        settings (``TASK_SETTINGS``: the tool task's trajectory needs max_new_tokens 32, not the
+        demo's 4), then what the caller gives (:meth:`from_layers`: a YAML file, then flags).
+        ``sources`` names each field's layer. A verifiers environment (``verifiers:<taskset
+        id>``) without a dataset plays its taskset's tasks."""
+        given = getattr(self, "_given", frozenset())
+        task = TASK_SETTINGS.get(self.task, {})
+        self.sources = {}
+        for f in dataclasses.fields(self):
+            if f.name in given:
+                self.sources[f.name] = "argument"
+            elif f.name in task:
+                setattr(self, f.name, task[f.name])
+                self.sources[f.name] = f"task {self.task}"
+            else:
+                self.sources[f.name] = "default"
         if self.dataset is None and self.task is None and is_verifiers(self.environment):
             self.dataset = self.environment
+            self.sources["dataset"] = f"environment {self.environment}"
 
     @property
     def prompts_per_step(self) -> int:
@@ -342,22 +360,43 @@ class GRPOConfig(LossConfig):
         return config
 
     @classmethod
-    def from_yaml(cls, path: str, **overrides) -> "GRPOConfig":
-        """Reads a YAML mapping of config keys, then applies ``overrides`` (None values are skipped)."""
-        import yaml
+    def from_layers(cls, *layers: tuple) -> "GRPOConfig":
+        """Builds and validates a config from ``(name, values)`` layers above the defaults and
+        the task's settings, a later layer winning where two give a field (a YAML file, then the
+        flags given); ``sources`` names each field's layer."""
+        values, sources = {}, {}
+        for name, layer in layers:
+            layer = from_trl_names(layer)
+            values.update(layer)
+            sources.update(dict.fromkeys(layer, name))
+        config = cls.from_dict(values)
+        config.sources.update(sources)
+        return config
 
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"config file {path!r} does not exist")
-        with open(path) as f:
-            values = yaml.safe_load(f) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"config file {path!r} must hold a mapping of keys to values, got {type(values).__name__}")
-        values = from_trl_names(values)  # before the flags (ours) override what it names
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.from_dict(values)
+    @classmethod
+    def from_yaml(cls, path: str, **overrides) -> "GRPOConfig":
+        """Reads a YAML mapping of config keys (:func:`read_yaml`), then applies ``overrides``
+        (None values are skipped)."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return cls.from_layers((f"file {path}", read_yaml(path)), ("argument", given))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        """The settings as YAML in field order, each with the layer it came from as a comment
+        (``max_new_tokens: 32  # task tool_arithmetic``); :meth:`from_yaml` reads it back."""
+        import yaml
+
+        lines = []
+        for name, value in self.to_dict().items():
+            text = yaml.safe_dump({name: value}, sort_keys=False, width=float("inf"))
+            source = self.sources.get(name, "default")
+            if text.count("\n") == 1:
+                lines.append(f"{text[:-1]}  # {source}\n")
+            else:  # a value over several lines: the comment above it
+                lines.append(f"# {name}: {source}\n{text}")
+        return "".join(lines)
 
     def validate(self) -> None:
         """Raises ValueError naming the first inconsistent setting, the loss's options included."""
@@ -450,3 +489,16 @@ class GRPOConfig(LossConfig):
         """The task, ``tools`` (the config's, or the functions given to the trainer) and the
         environment: see :func:`checks.check_turns` (before anything loads)."""
         checks.check_turns(self, tools)
+
+
+def read_yaml(path: str) -> dict:
+    """The mapping of config keys in the YAML file ``path``."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist")
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path!r} must hold a mapping of keys to values, got {type(values).__name__}")
+    return values

@@ -27,11 +27,9 @@ def run(trainer) -> list:
     config, main = trainer.config, trainer.runtime.ranks.is_main
     tracker = trackers.Tracker()
     if main:
-        import yaml
-
         os.makedirs(trainer.output_dir, exist_ok=True)
         with open(os.path.join(trainer.output_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(config.to_dict(), f, sort_keys=False)
+            f.write(config.to_yaml())
         tracker = trackers.open_trackers(config.report_to, trainer.output_dir, config.to_dict())
     start = time.perf_counter()
     bar = tqdm(
