@@ -161,10 +161,17 @@ def trl_vllm_patches(work: Workload, ours: GRPOConfig, device: str):
         engine.update(dtype="float32", kv_cache_memory_bytes=cpu_kv_cache_bytes(model_config, ours, torch.float32))
         engine.update(whole_prefills(max_model_len(model_config, ours)))
     with (
-        mock.patch.object(trl_vllm, "LLM", functools.partial(trl_vllm.LLM, **engine)),
+        mock.patch.object(trl_vllm, "LLM", functools.partial(_llm_with, trl_vllm.LLM, engine)),
         mock.patch.object(trl_vllm.VLLMGeneration, "sync_weights", reload_weights_sync),
     ):
         yield
+
+
+def _llm_with(llm, engine: dict, *args, **kwargs):
+    """``llm(*args, **kwargs)`` with ``engine``'s settings over TRL's (TRL passes its own
+    ``max_num_batched_tokens``, 4,096, which vLLM 0.32 refuses below a model's context of 8,192
+    once chunked prefill is off)."""
+    return llm(*args, **{**kwargs, **engine})
 
 
 def rows_dataset(rows: list):
