@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -136,6 +137,16 @@ def async_speed(data):
     return [f"{results['async_k1']['steps_per_s'] / results['sync_1thread']['steps_per_s']:.2f}x"]
 
 
+def real_model_vs_trl(data):
+    runs = {run["trainer"]: run for run in data["runs"]}
+    ours, trl = runs["grpo_fast"], runs["trl"]
+
+    def step_s(run):
+        return statistics.median(step["step_time_s"] for step in run["steps"])
+
+    return [f"{trl['curve'][-1]['seconds'] / ours['curve'][-1]['seconds']:.2f}x", f"{step_s(trl) / step_s(ours):.2f}x"]
+
+
 HEADLINES = {
     "ops_cpu_2threads.json": ops_loss_bf16,
     "fused_linear_cpu.json": fused_linear,
@@ -144,6 +155,7 @@ HEADLINES = {
     "trainer_cpu_engines_long_prompt.json": shared_prefix_speed,
     "memory_cpu_qwen2.5-0.5b.json": grpo_vs_ppo,
     "async_cpu_realistic.json": async_speed,
+    "real_model_vs_trl_cpu.json": real_model_vs_trl,
 }
 
 
