@@ -222,15 +222,17 @@ def test_the_laptop_recipe_trains_two_steps_and_saves_a_folder_that_loads(tmp_pa
     from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 
     assert "grpo-fast train --config recipes/smollm2_135m_arithmetic_cpu.yaml" in open(RECIPE).read()
-    dataset = GRPOConfig.from_yaml(RECIPE).dataset + "&size=8"  # the recipe's task, not its 10,000 rows
+    recipe = GRPOConfig.from_yaml(RECIPE)  # its task and held-out split, on 8 rows and 2 prompts, not 10,000 and 64
     config = GRPOConfig.from_yaml(
         RECIPE, steps=2, batch_size=2, group_size=2, max_new_tokens=6, eval_every=0, save_every=2,
-        progress=False, output_dir=str(tmp_path / "run"), dataset=dataset,
+        progress=False, output_dir=str(tmp_path / "run"), dataset=recipe.dataset + "&size=8",
+        eval_dataset=recipe.eval_dataset.replace("&size=64", "&size=2"),
     )  # fmt: skip
     assert config.model == SMOLLM2
     trainer = GRPOTrainer(config)
     history = trainer.train()
     assert [m["step"] for m in history] == [1, 2] and all(m["completion_len_mean"] > 0 for m in history)
+    assert 0 <= history[-1]["eval/pass@1"] <= 1  # the evaluation at the end, on the recipe's eval rows
     assert all("rewards/math_reward" in m for m in history)
     final = tmp_path / "run" / "final"
     assert not list(final.glob("*.gguf")) and (final / "model.safetensors").exists()

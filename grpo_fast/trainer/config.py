@@ -281,8 +281,7 @@ class GRPOConfig(LossConfig):
     eval_pass_threshold: float = option(1.0, "a sample passes when its combined reward is at least this", topic=EVAL)
 
     def __new__(cls, *args, **kwargs):
-        # the fields a caller gives are never replaced by a task's settings: __post_init__ has
-        # only the values, so the names are noted here (positional arguments in field order)
+        # the fields given (by name, or by position in field order), which no task's settings replace
         self = super().__new__(cls)
         names = [f.name for f in dataclasses.fields(cls)[: len(args)]]
         object.__setattr__(self, "_given", frozenset(names) | kwargs.keys())
@@ -375,8 +374,7 @@ class GRPOConfig(LossConfig):
 
     @classmethod
     def from_yaml(cls, path: str, **overrides) -> "GRPOConfig":
-        """Reads a YAML mapping of config keys (:func:`read_yaml`), then applies ``overrides``
-        (None values are skipped)."""
+        """A YAML file's config keys (:func:`read_yaml`), then ``overrides`` (None ones skipped)."""
         given = {k: v for k, v in overrides.items() if v is not None}
         return cls.from_layers((f"file {path}", read_yaml(path)), ("argument", given))
 
@@ -388,14 +386,11 @@ class GRPOConfig(LossConfig):
         (``max_new_tokens: 32  # task tool_arithmetic``); :meth:`from_yaml` reads it back."""
         import yaml
 
-        lines = []
+        lines = []  # the comment after a one-line value, above a longer one
         for name, value in self.to_dict().items():
             text = yaml.safe_dump({name: value}, sort_keys=False, width=float("inf"))
             source = self.sources.get(name, "default")
-            if text.count("\n") == 1:
-                lines.append(f"{text[:-1]}  # {source}\n")
-            else:  # a value over several lines: the comment above it
-                lines.append(f"# {name}: {source}\n{text}")
+            lines.append(f"{text[:-1]}  # {source}\n" if text.count("\n") == 1 else f"# {name}: {source}\n{text}")
         return "".join(lines)
 
     def validate(self) -> None:
