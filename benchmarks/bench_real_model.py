@@ -97,16 +97,14 @@ def run_ours(config) -> dict:
 
 
 def run_trl(config) -> dict:
-    """TRL 1.16's ``GRPOTrainer`` (HF ``generate``) on ``config``'s settings: the same model
-    folder, the prompts in our run's order (our ``DataOrder``, TRL's shuffle off), G, batch,
-    completion limit, sampling, loss, advantage scale, optimizer and schedule; evaluated by our
+    """TRL 1.16's ``GRPOTrainer`` (HF ``generate``) on ``config``'s settings (``trl_args``): the
+    same model folder, the prompts in our run's order (our ``DataOrder``, TRL's shuffle off); evaluated by our
     evaluator on TRL's policy every eval_every steps, as ours is. TRL's LM head scores as on a
     GPU (``trl_scoring``, as in bench_trainer). One difference is left: transformers' warmup
     runs its first step at learning rate 0, ours at 1 / (warmup + 1) of it."""
     import torch
-    from trainer_bench.trl_runner import rows_dataset, trl_scoring
+    from trainer_bench.trl_runner import rows_dataset, trl_args, trl_scoring
     from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
     from grpo_fast.model_files import model_folder
@@ -114,7 +112,6 @@ def run_trl(config) -> dict:
     from grpo_fast.trainer.distributed import Ranks
     from grpo_fast.trainer.rollout.data import DataOrder
     from grpo_fast.trainer.run.evaluation import Evaluator, load_eval_rows
-    from grpo_fast.trainer.update.optimization import SCHEDULES
 
     start = time.perf_counter()
     folder = model_folder(config.model)
@@ -124,38 +121,7 @@ def run_trl(config) -> dict:
     order = DataOrder(rows, config.seed, config.prompts_per_step, Ranks(torch.device("cpu")))
     ordered = [row for step in range(config.steps) for row in order.take(step * config.prompts_per_step)[0]]
     funcs, names = resolve_rewards(config.reward_funcs, config.dataset, config.task, False)
-    args = TRLConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
-        max_steps=config.steps,
-        per_device_train_batch_size=config.batch_size,
-        gradient_accumulation_steps=1,
-        num_generations=config.group_size,
-        max_completion_length=config.max_new_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        top_k=config.top_k,
-        beta=config.beta,
-        epsilon=config.eps_low,
-        loss_type=config.loss_type,
-        scale_rewards=config.advantage_scale,
-        num_iterations=config.num_iterations,
-        learning_rate=config.learning_rate,
-        weight_decay=config.weight_decay,
-        adam_beta1=config.adam_beta1,
-        adam_beta2=config.adam_beta2,
-        warmup_steps=config.warmup_steps,
-        lr_scheduler_type=SCHEDULES[config.lr_schedule],
-        max_grad_norm=config.max_grad_norm,
-        shuffle_dataset=False,
-        gradient_checkpointing=config.gradient_checkpointing,
-        use_cpu=True,
-        bf16=False,  # TRL's default, which on CPU autocasts to bfloat16: ours trains in float32 there
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=config.seed,
-        disable_tqdm=True,
-    )
+    args = trl_args(config, config.steps, config.seed, cpu=True, shuffle_dataset=False)
     curve, step_times = Curve(), []
 
     class Evaluations(TrainerCallback):

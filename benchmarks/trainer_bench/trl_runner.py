@@ -188,11 +188,54 @@ def rows_dataset(rows: list):
     return Dataset(pyarrow.Table.from_pylist(rows), fingerprint=name)
 
 
+def trl_args(ours: GRPOConfig, steps: int, seed: int, cpu: bool, **extra):
+    """TRL's ``GRPOConfig`` with ``ours``' settings: its batch (``batch_size`` completions a
+    step, no accumulation), G, completion limit, sampling, loss, advantage scale, optimizer and
+    schedule; float32 on CPU and bf16 autocast on CUDA, as ours (TRL's ``bf16`` default would
+    autocast to bfloat16 on CPU too, which runs MKL's slow fallback GEMM there); every step
+    logged, nothing saved. ``extra``: more of TRL's fields."""
+    from trl import GRPOConfig as TRLConfig
+
+    from grpo_fast.trainer.update.optimization import SCHEDULES
+
+    return TRLConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
+        max_steps=steps,
+        per_device_train_batch_size=ours.batch_size,
+        gradient_accumulation_steps=1,
+        num_generations=ours.group_size,
+        max_completion_length=ours.max_new_tokens,
+        temperature=ours.temperature,
+        top_p=ours.top_p,
+        top_k=ours.top_k,
+        beta=ours.beta,
+        epsilon=ours.eps_low,
+        loss_type=ours.loss_type,
+        scale_rewards=ours.advantage_scale,
+        num_iterations=ours.num_iterations,
+        learning_rate=ours.learning_rate,
+        weight_decay=ours.weight_decay,
+        adam_beta1=ours.adam_beta1,
+        adam_beta2=ours.adam_beta2,
+        warmup_steps=ours.warmup_steps,
+        lr_scheduler_type=SCHEDULES[ours.lr_schedule],
+        max_grad_norm=ours.max_grad_norm,
+        gradient_checkpointing=ours.gradient_checkpointing,
+        use_cpu=cpu,
+        bf16=not cpu,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        disable_tqdm=True,
+        **extra,
+    )
+
+
 def run_trl(work: Workload, options: dict, use_vllm: bool) -> dict:
     """Per-step seconds, phases and tokens of one fresh TRL run (timed by a callback at the
     end of each step and around the optimizer step)."""
     from transformers import TrainerCallback
-    from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
     steps, device = options["steps"], options["device"]
@@ -237,31 +280,7 @@ def run_trl(work: Workload, options: dict, use_vllm: bool) -> dict:
         )
     timer = StepTimer()
     cpu = device == "cpu"
-    config = TRLConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
-        max_steps=steps,
-        per_device_train_batch_size=work.batch_size,
-        gradient_accumulation_steps=1,
-        num_generations=work.group_size,
-        max_completion_length=work.max_new_tokens,
-        beta=work.beta,
-        learning_rate=work.learning_rate,
-        warmup_steps=0,
-        lr_scheduler_type="constant",
-        loss_type="grpo",
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        gradient_checkpointing=False,
-        use_cpu=cpu,
-        bf16=not cpu,  # as ours: bf16 autocast on CUDA, float32 on CPU
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=options["seed"],
-        disable_tqdm=True,
-        **vllm_options,
-    )
+    config = trl_args(ours, steps, options["seed"], cpu, **vllm_options)
     patches = trl_vllm_patches(work, ours, device) if use_vllm else contextlib.nullcontext()
     with patches, trl_scoring(options["trl_as_shipped"]):
         trainer = TRLTrainer(
