@@ -67,11 +67,14 @@ def run(trainer: str, recipe: str, seed: int, steps: int | None, overrides: dict
     output = os.path.join(tempfile.mkdtemp(prefix="grpo_fast_real_model_"), "run")
     values = dict(overrides, seed=seed, output_dir=output, progress=False, **({"steps": steps} if steps else {}))
     config = GRPOConfig.from_yaml(recipe, **values)
-    kept = ("model", "dataset", "eval_dataset", "group_size", "batch_size", "max_new_tokens", "learning_rate", "beta")
+    kept = (
+        "model", "dataset", "eval_dataset", "group_size", "batch_size", "max_new_tokens", "learning_rate", "beta",
+        "temperature", "steps",
+    )  # fmt: skip
     start = time.perf_counter()
     result = (run_ours if trainer == "grpo_fast" else run_trl)(config)
-    config_fields = {k: getattr(config, k) for k in kept + ("temperature", "steps")}
-    return dict(trainer=trainer, seed=seed, config=config_fields, wall_s=time.perf_counter() - start, **result)
+    settings = {k: getattr(config, k) for k in kept}
+    return dict(trainer=trainer, seed=seed, config=settings, wall_s=time.perf_counter() - start, **result)
 
 
 def run_ours(config) -> dict:
@@ -111,6 +114,7 @@ def run_trl(config) -> dict:
     from grpo_fast.tasks import load_rows, resolve_rewards
     from grpo_fast.trainer.distributed import Ranks
     from grpo_fast.trainer.rollout.data import DataOrder
+    from grpo_fast.trainer.run import run_log
     from grpo_fast.trainer.run.evaluation import Evaluator, load_eval_rows
 
     start = time.perf_counter()
@@ -142,8 +146,9 @@ def run_trl(config) -> dict:
 
         def on_step_end(self, unused, state, *more, **kwargs):
             step_times.append(time.perf_counter() - self.since)
-            if state.global_step % config.eval_every == 0 or state.global_step == config.steps:
-                curve.evaluate(state.global_step, lambda: self.evaluator(state.global_step))
+            step = state.global_step
+            if step == config.steps or run_log.due(step, config.eval_every, config.steps):  # as our loop does
+                curve.evaluate(step, lambda: self.evaluator(step))
 
     with trl_scoring(as_shipped=False):
         trainer = TRLTrainer(

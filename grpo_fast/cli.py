@@ -128,7 +128,7 @@ def _add_field(group, field: dataclasses.Field, resolved: GRPOConfig | None = No
     names = flag_names(field.name)
     kind, nargs = _flag_type(field)
     shown = f"default: {option_default(field)}"
-    source = resolved.sources.get(field.name, "default") if resolved is not None else "default"
+    source = resolved.sources[field.name] if resolved is not None else "default"
     if source != "default":
         shown += f"; this run: {getattr(resolved, field.name)}, from: {source}"
     common = dict(dest=field.name, default=None, help=f"{field.metadata['help']} ({shown})")

@@ -389,7 +389,7 @@ class GRPOConfig(LossConfig):
         lines = []  # the comment after a one-line value, above a longer one
         for name, value in self.to_dict().items():
             text = yaml.safe_dump({name: value}, sort_keys=False, width=float("inf"))
-            source = self.sources.get(name, "default")
+            source = self.sources[name]
             lines.append(f"{text[:-1]}  # {source}\n" if text.count("\n") == 1 else f"# {name}: {source}\n{text}")
         return "".join(lines)
 
