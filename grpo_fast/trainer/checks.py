@@ -8,7 +8,7 @@ from grpo_fast.model_files import gguf_path, is_model_file
 from grpo_fast.tasks import TASKS
 from grpo_fast.tasks.datasets import is_local_path
 from grpo_fast.tools import TOOLS
-from grpo_fast.trainer.choices import TURN_ENGINES, check_device
+from grpo_fast.trainer.choices import check_device
 
 
 def require(ok: bool, message: str) -> None:
@@ -62,10 +62,6 @@ def check_turns(config, tools) -> None:
         int_at_least(config, name, 1, optional=True)
     require(config.tool_timeout_s > 0, f"tool_timeout_s must be > 0, got {config.tool_timeout_s!r}")
     what = "tools" if environment is None else "an environment"
-    require(
-        config.generator in TURN_ENGINES,
-        f"{what} need an engine that samples turns: generator one of {TURN_ENGINES}, got {config.generator!r}",
-    )
     require(
         not config.compile_generation,
         f"{what} do not work with compile_generation: a CUDA graph has fixed shapes, and the answers between "

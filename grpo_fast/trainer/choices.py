@@ -15,7 +15,6 @@ ENGINES = {
     "sampler": "grpo_fast.trainer.rollout.engines.sampler:Sampler",
     "vllm": "grpo_fast.trainer.rollout.engines.vllm:VLLMGenerator",
 }
-TURN_ENGINES = ("sampler", "hf", "vllm")  # the engines that run multi-turn rollouts (tools)
 PRECISIONS = ("auto", "bf16", "fp32")
 # the kernels that attend a packed forward (grpo_fast.packing.ATTENTIONS: the same names)
 ATTENTION_KERNELS = ("sdpa", "flex")

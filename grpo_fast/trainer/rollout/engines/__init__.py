@@ -121,7 +121,7 @@ class Generator:
         """Samples ``group_size`` completions of each prompt. ``keys`` [num_prompts] int
         identify the prompts within the run (their data positions), so that an engine can
         make a sample a function of (seed, key, sample index) alone. ``turns``: a multi-turn
-        rollout's tool loop (an engine of ``choices.TURN_ENGINES`` runs it)."""
+        rollout's tool loop, which every engine runs."""
         raise NotImplementedError
 
     def publish(self, version: int) -> None:
