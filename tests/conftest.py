@@ -6,6 +6,7 @@ top of the first module pytest loads. ``GRPO_FAST_TEST_CUDA=1`` keeps real CUDA 
 
 import contextlib
 import glob
+import json
 import math
 import os
 import signal
@@ -23,7 +24,10 @@ import torch  # noqa: E402
 from grpo_fast import reference  # noqa: E402
 from grpo_fast.bench.measure import rel_err  # noqa: E402, F401  (the tests' whole-tensor error)
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# The README's test command runs a pytest-xdist worker per core (-n 2), each module on one worker
+# (--dist loadfile: what a module builds once is built once); one thread each, so that the two
+# never fight over a core. Run without -n, a test has both.
+torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture
@@ -157,6 +161,29 @@ def small_config(tmp_path, **overrides):
     from grpo_fast.trainer import GRPOConfig
 
     return GRPOConfig(**{**SMALL, "output_dir": str(tmp_path / "run"), **overrides})
+
+
+def write_jsonl(path, rows) -> str:
+    """Writes ``rows`` (dicts) to the pathlib ``path`` as JSON lines; returns the path as a str."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def make_chat_tokenizer():
+    """A word-level tokenizer whose chat template marks each role: <|user|>Hi\n<|assistant|>."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<eos>": 1}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]", chat_template=template
+    )
 
 
 def one_thread(run):

@@ -1,6 +1,6 @@
 """code_feedback (grpo_fast/environments/code_feedback.py) with scripted policies: hand-written
 assistant turns drive the environment's reset and step, as the turn loop does, over each form of
-tests code_reward reads; hostile programs from tests/test_sandbox.py's battery; programs that never
+tests code_reward reads; hostile programs from the sandbox tests' battery (tests/_hostile.py); programs that never
 end; and one short training run on the tool task's tiny model, whose episodes show the feedback.
 
 The programs run in this machine's default sandbox mode with small limits (tests/_sandboxed.py);
@@ -17,8 +17,8 @@ from string import Template
 
 import pytest
 import torch
+from _hostile import HOSTILE, NEEDS_LANDLOCK
 from _sandboxed import LIMITS
-from test_sandbox import HOSTILE, NEEDS_LANDLOCK
 
 from grpo_fast.environments import EnvironmentFactory, EnvStep
 from grpo_fast.environments.code_feedback import CodeFeedback

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+from conftest import make_chat_tokenizer, write_jsonl
 
 from grpo_fast.rewards import SandboxLimits, code_reward, math_reward
 from grpo_fast.tasks.datasets import SAMPLE_MATH, load_prompt_dataset
@@ -16,12 +17,6 @@ ROWS = [
     {"prompt": "Name the answer.", "answer": "17", "level": "3"},
 ]
 EXPECTED_ANSWERS = ["42", "\\frac{1}{2}", "17"]
-
-
-def write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
 
 
 def write_json(path, rows):
@@ -126,22 +121,6 @@ def test_custom_columns_and_math_solution_column(tmp_path):
     assert rows == [{"prompt": "1+1?", "solution": "We get $\\boxed{2}$.", "answer": "2"}]
     rows = load_prompt_dataset(path, prompt_column="problem", answer_column="solution", system_prompt="Be brief.")
     assert rows[0]["prompt"] == "Be brief.\n\n1+1?"
-
-
-def make_chat_tokenizer():
-    tokenizers = pytest.importorskip("tokenizers")
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"[UNK]": 0, "<eos>": 1}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]", chat_template=template
-    )
 
 
 def test_chat_template_is_applied(tmp_path):

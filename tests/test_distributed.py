@@ -34,6 +34,7 @@ from conftest import (
     wait_until,
     without_timings,
     worker_pids,
+    write_jsonl,
 )
 
 from grpo_fast.spec import LOSS_TYPES
@@ -211,8 +212,7 @@ def test_torchrun_learns_like_one_process_resumes_after_a_killed_rank_and_evalua
     assert without_timings(resumed_alone[:20]) == without_timings(rows[:20])
     assert_rows_close(resumed_alone[20:], rows[20:], rel=1e-4)
 
-    data = tmp_path / "held.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in held_out_rows()[:7]))
+    data = write_jsonl(tmp_path / "held.jsonl", held_out_rows()[:7])
     evaluation = ["--eval-dataset", str(data), "--eval-samples", "64", "--report-to", "tensorboard"]
     proc = run_child(resume + evaluation)
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from conftest import completion_logits, completion_logprobs, max_err, rel_err
+from conftest import completion_logits, completion_logprobs, max_err, rel_err, write_jsonl
 
 from grpo_fast import reference
 from grpo_fast.environments import Environment, EnvironmentFactory, EnvStep, TRLEnvironment
@@ -420,8 +420,7 @@ def test_cli_eval_runs_an_environment(tmp_path, model, tokenizer):
     folder = tmp_path / "model"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     out = tmp_path / "eval.json"
     args = ["eval", "--model", str(folder), "--dataset", str(data), "--environment", "test_environments:NotSeven"]
     assert main([*args, "--max-turns", "2", "--max-new-tokens", "12", "-n", "2", "--output", str(out)]) == 0
@@ -442,8 +441,7 @@ def test_torchrun_runs_the_environment_as_one_process(tmp_path, model, tokenizer
     folder = str(tmp_path / "model")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in ROWS * 2))
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS * 2)
     train = ["train", "--model", folder, "--dataset", str(data), "--environment", "test_environments:NotSeven"]
     train += ["--max-turns", "3", "--steps", "2", "--batch-size", "16", "-G", "4", "--max-new-tokens", "12"]
     train += ["--no-progress", "--save-every", "0"]

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 from conftest import SMALL as SMALL_RUN
+from conftest import write_jsonl
 
 from grpo_fast.cli import main
 from grpo_fast.tasks.arithmetic import HELD_OUT, build_dataset, held_out_rows
@@ -28,11 +29,6 @@ def _restore_threads():
     threads = torch.get_num_threads()  # the CLI's demo sets one thread
     yield
     torch.set_num_threads(threads)
-
-
-def write_jsonl(path, rows) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
 
 
 # ---------------------------------------------------------------- pass@k

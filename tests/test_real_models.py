@@ -87,7 +87,9 @@ def test_gguf_converts_to_a_folder_that_loads_as_it_does(smollm2):
     config = json.load(open(os.path.join(folder, "config.json")))
     assert "quantization_config" not in config and config["vocab_size"] == 49152
     source = json.load(open(os.path.join(folder, "grpo_fast_source.json")))
-    assert source["gguf_file"] == path and source["architecture"] == "llama" and len(source["sha256"]) == 64
+    # the folder is keyed by the file's content: another install of the same file may have made it
+    assert os.path.basename(source["gguf_file"]) == os.path.basename(path) and source["architecture"] == "llama"
+    assert folder.endswith(source["sha256"][:16]) and len(source["sha256"]) == 64
     model, tokenizer = smollm2
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     direct = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

