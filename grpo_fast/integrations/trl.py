@@ -3,9 +3,11 @@
     from grpo_fast.integrations.trl import GRPOTrainer      # was: from trl import GRPOTrainer
     trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
 
-The subclass of ``trl.GRPOTrainer`` (TRL 1.16) keeps its constructor, ``GRPOConfig``,
-generation, rewards and advantages (``scale_rewards``, ``multi_objective_aggregation``,
-``mask_truncated_completions`` stay TRL's own) and replaces two things:
+The subclass of ``trl.GRPOTrainer`` (TRL 1.16; with another TRL, importing this module raises
+one ``UnsupportedTRLError`` that names what differs, ``trl_support.py``) keeps its constructor,
+``GRPOConfig``, generation, rewards and advantages (``scale_rewards``,
+``multi_objective_aggregation``, ``mask_truncated_completions`` stay TRL's own) and replaces
+two things:
 
 - **The loss.** TRL computes per-token log-probs with its chunked LM head, then the loss on
   [B, T] tensors, and its backward recomputes every logits tile. Here the model's forward runs
@@ -75,8 +77,9 @@ import torch
 import trl
 from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
-from trl.trainer.utils import maybe_gather_lm_head_ctx, nanmax, nanmin
+from trl.trainer import utils as trl_utils
 
+from grpo_fast.integrations.trl_support import MODEL_INPUT_KEYS, check_trl
 from grpo_fast.model_files import model_folder
 from grpo_fast.ops import fused_linear_token_logprobs
 from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_with_tokens
@@ -84,19 +87,9 @@ from grpo_fast.ops.policy import LossInputs
 from grpo_fast.packing import pack_by_prompt, packed_hidden, shared_layout_blocker, to_grid
 from grpo_fast.spec import LOSS_TYPES, LossConfig
 
-# Batch keys that TRL feeds to the model besides the token ids: multimodal models.
-MODEL_INPUT_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
+# Before anything reads TRL's internals: one clear error for a TRL this module is not written for.
+check_trl()
+
 # Config fields by which a model scales or soft-caps its logits (TRL's fused head reads the same).
 LOGIT_TRANSFORMS = (
     "final_logit_softcapping",
@@ -158,7 +151,7 @@ class LogprobsHead:
         self.ids, self.temperature, self.return_entropy, self.fp32 = ids, temperature, return_entropy, fp32
 
     def __call__(self, hidden, lm_head):
-        with maybe_gather_lm_head_ctx(lm_head.weight, lm_head.bias):
+        with trl_utils.maybe_gather_lm_head_ctx(lm_head.weight, lm_head.bias):
             hidden, weight, bias = head_operands(hidden, lm_head, self.fp32)
             with torch.autocast(hidden.device.type, enabled=False):
                 return fused_linear_token_logprobs(
@@ -186,7 +179,7 @@ class LossHead:
 
     def __call__(self, hidden, lm_head):
         config, ids, mask = self.config, self.ids, self.mask
-        with maybe_gather_lm_head_ctx(lm_head.weight, lm_head.bias):
+        with trl_utils.maybe_gather_lm_head_ctx(lm_head.weight, lm_head.bias):
             hidden, weight, bias = head_operands(hidden, lm_head, self.trainer.args.cast_lm_head_to_fp32)
             with torch.autocast(hidden.device.type, enabled=False):
                 weights, entropy = self.weights, None
@@ -418,7 +411,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             metrics["clip_ratio/low_mean"].append(global_mean(low))
             metrics["clip_ratio/high_mean"].append(global_mean(high))
             metrics["clip_ratio/region_mean"].append(global_mean(torch.maximum(low, high)))
-            metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(sequence_means(low))).item())
-            metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(sequence_means(high))).item())
+            metrics["clip_ratio/low_min"].append(trl_utils.nanmin(self.accelerator.gather(sequence_means(low))).item())
+            metrics["clip_ratio/high_max"].append(
+                trl_utils.nanmax(self.accelerator.gather(sequence_means(high))).item()
+            )
         elif config.loss_type == "cispo":
             metrics["cispo_clip_ratio"].append(global_mean(high))
