@@ -11,10 +11,8 @@ one empty completion.
 
 import json
 import math
-import os
 import subprocess
 import sys
-import tempfile
 import warnings
 
 import pytest
@@ -24,18 +22,16 @@ from conftest import max_err, rel_err
 trl = pytest.importorskip("trl", reason="TRL is in the [test] extra: pip install -e '.[test]'")
 datasets = pytest.importorskip("datasets")
 
+from _trl import B, T, make_trainer  # noqa: E402
+
 from grpo_fast import group_advantages  # noqa: E402
 from grpo_fast.integrations.trl import GRPOTrainer  # noqa: E402
-from grpo_fast.tasks.arithmetic import arithmetic_reward, build_dataset, build_model, build_tokenizer  # noqa: E402
+from grpo_fast.tasks.arithmetic import build_dataset, build_model, build_tokenizer  # noqa: E402
 
 # TRL 1.16 reads transformers' deprecated is_gradient_checkpointing around its generation;
 # that call is TRL's, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-# TRL's GRPOConfig turns gradient checkpointing on by default under the name transformers 5.2x
-# deprecated: the current name where the installed transformers has it, the same setting.
-CHECKPOINTING = {"activation_checkpointing": True} if hasattr(trl.GRPOConfig, "activation_checkpointing") else {}
-
-B, P, T = 4, 3, 6
+P = 3
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
 # Every GRPOConfig field that touches the loss, away from its default (delta above
 # 1 + epsilon_high: TRL's high clip ratio is then the one grpo_fast logs, docs/design.md).
@@ -58,50 +54,6 @@ def setup(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("trl") / "model")
     build_model(tokenizer, seed=0).save_pretrained(folder)
     return tokenizer, folder, datasets.Dataset.from_list(build_dataset(num_rows=64, seed=0))
-
-
-def make_trainer(
-    cls,
-    setup,
-    reward_funcs=arithmetic_reward,
-    peft_config=None,
-    tools=None,
-    ours=None,
-    environment_factory=None,
-    **options,
-):
-    """A TRL GRPOTrainer of class ``cls`` (stock or ours) on ``setup``'s model folder and rows,
-    CPU, no saving; ``options`` are GRPOConfig's; ``tools`` and ``environment_factory`` TRL's tool
-    loop's (test_integration_trl_tools); ``ours`` our constructor's own keywords (``shared_prefix``)."""
-    tokenizer, folder, dataset = setup
-    options = {"per_device_train_batch_size": B, "num_generations": 4, "max_completion_length": T, **options}
-    args = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(dir=os.path.dirname(folder)),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1,
-        **CHECKPOINTING,
-        **options,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = cls(
-            model=folder,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-            **({"tools": tools} if tools else {}),
-            **({"environment_factory": environment_factory} if environment_factory else {}),
-            **(ours or {}),
-        )
-    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train() otherwise
-    trainer.model.train()  # as in train(): from_pretrained leaves it in eval mode, whose loss and metrics differ
-    return trainer
 
 
 def make_batch(trainer, beta: float, seed: int = 0, shared: bool = False) -> dict:

@@ -20,11 +20,12 @@ import pytest
 import torch
 from _hermes import RESPONSE_TEMPLATE, make_tokenizer
 from conftest import max_err, rel_err
-from test_integration_trl import make_trainer as make_trl_trainer
 
 trl = pytest.importorskip("trl", reason="TRL is in the [test] extra: pip install -e '.[test]'")
 datasets = pytest.importorskip("datasets")
 chat_template_utils = pytest.importorskip("trl.chat_template_utils")
+from _trl import make_trainer as make_trl_trainer  # noqa: E402
+
 if not chat_template_utils._SUPPORTS_RESPONSE_TEMPLATE:
     pytest.skip("TRL's tool loop with a response_template needs transformers >= 5.13", allow_module_level=True)
 
