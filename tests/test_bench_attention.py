@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from grpo_fast.packing.layout import CALL_COST
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,9 +30,16 @@ def test_the_grids_benchmark_times_both_call_costs_on_both_layouts(tmp_path):
         result = report["results"][layout]
         assert result["one_grid"]["calls_per_layer"] == one_grid_calls  # per kind: causal, after a prompt
         assert result["grids"]["calls_per_layer"] >= one_grid_calls
-        for cost in ("one_grid", "grids"):
-            assert result[cost]["reference_s"] > 0 and result[cost]["training_s"] > 0
-        assert result["speedup"]["reference_and_training"] > 0
+        one, grids, speedup = result["one_grid"], result["grids"], result["speedup"]
+        # each speedup is one grid's time over the grids', per pass and for both passes
+        for key in ("reference", "training"):
+            assert speedup[key] == pytest.approx(one[key + "_s"] / grids[key + "_s"]) and grids[key + "_s"] > 0
+        both = (one["reference_s"] + one["training_s"]) / (grids["reference_s"] + grids["training_s"])
+        assert speedup["reference_and_training"] == pytest.approx(both)
+        low, high = sorted((speedup["reference"], speedup["training"]))
+        assert low <= speedup["reference_and_training"] * (1 + 1e-12) and speedup["reference_and_training"] <= high * (
+            1 + 1e-12
+        )
 
 
 def test_the_gqa_benchmark_times_both_ways_in_fresh_processes(tmp_path):
@@ -39,8 +48,10 @@ def test_the_gqa_benchmark_times_both_ways_in_fresh_processes(tmp_path):
     for layout in ("shared_prefix", "whole_rows"):
         result = report["results"][layout]
         assert result["repeated"]["tokens"] == result["as_they_are"]["tokens"] > 0
-        for way in ("repeated", "as_they_are"):
-            assert result[way]["fwd_bwd_s"] > 0 and result[way]["peak_rss_growth_bytes"] >= 0
-        assert result["speedup"] > 0 and result["peak_ratio"] >= 0
+        repeated, native = result["repeated"], result["as_they_are"]
+        assert result["speedup"] == pytest.approx(repeated["fwd_bwd_s"] / native["fwd_bwd_s"])
+        assert result["peak_ratio"] == pytest.approx(
+            native["peak_rss_growth_bytes"] / max(repeated["peak_rss_growth_bytes"], 1)
+        )
     shared, whole = (report["results"][layout]["as_they_are"]["tokens"] for layout in ("shared_prefix", "whole_rows"))
     assert shared < whole  # each group's prompt once
