@@ -120,10 +120,10 @@ def run_trl(config) -> dict:
     start = time.perf_counter()
     folder = model_folder(config.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    options = dict(seed=config.seed, task=config.task, split=config.dataset_split, **config.prompt_options())
+    options = dict(seed=config.seed, task=config.task, split=config.dataset_split, **config.data.prompt_options())
     rows = load_rows(config.dataset, tokenizer=tokenizer, **options)
-    order = DataOrder(rows, config.seed, config.prompts_per_step, Ranks(torch.device("cpu")))
-    ordered = [row for step in range(config.steps) for row in order.take(step * config.prompts_per_step)[0]]
+    order = DataOrder(rows, config.seed, config.rollout.prompts_per_step, Ranks(torch.device("cpu")))
+    ordered = [row for step in range(config.steps) for row in order.take(step * config.rollout.prompts_per_step)[0]]
     funcs, names = resolve_rewards(config.reward_funcs, config.dataset, config.task, False)
     args = trl_args(config, config.steps, config.seed, cpu=True, shuffle_dataset=False)
     curve, step_times = Curve(), []

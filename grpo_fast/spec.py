@@ -331,13 +331,10 @@ def sampling_correction(
 
 
 class _Frozen:
-    """Assignment raises once ``__post_init__`` has validated the instance (subclasses that
-    are edited field by field, such as the trainer's config, set ``_mutable = True``)."""
-
-    _mutable = False
+    """Assignment raises once ``__post_init__`` has validated the instance."""
 
     def __setattr__(self, name, value):
-        if not self._mutable and getattr(self, "_validated", False):
+        if getattr(self, "_validated", False):
             raise dataclasses.FrozenInstanceError(
                 f"LossConfig is frozen: cannot assign {name!r}; use dataclasses.replace(config, {name}=...)"
             )

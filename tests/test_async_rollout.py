@@ -264,10 +264,10 @@ def test_resume_samples_after_the_trained_steps_and_a_killed_worker_stops_the_tr
     trainer.train()
     assert trainer.source.process is None  # train() stopped its worker
     resumed = GRPOTrainer(small_config(tmp_path, max_staleness=1, steps=50))
-    assert resumed.resume() == 2 and resumed.data_position == 2 * resumed.config.prompts_per_step
+    assert resumed.resume() == 2 and resumed.data_position == 2 * resumed.config.rollout.prompts_per_step
     try:
         metrics = resumed.train_step()
-        assert metrics["step"] == 3 and resumed.data_position == 3 * resumed.config.prompts_per_step
+        assert metrics["step"] == 3 and resumed.data_position == 3 * resumed.config.rollout.prompts_per_step
         os.kill(resumed.source.process.pid, signal.SIGKILL)
         killed = time.perf_counter()
         with pytest.raises(WorkerError, match=r"died \(exit code -9\)"):

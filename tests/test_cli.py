@@ -196,7 +196,7 @@ def test_trl_names_are_taken_as_ours(tmp_path, capsys):
     assert (config.group_size, config.steps, config.eps_high, config.advantage_scale) == (4, 7, 0.28, "none")
     assert GRPOConfig.from_yaml(str(path), batch_size=8, group_size=2).group_size == 2  # a flag overrides it
     both = GRPOConfig.from_dict({"max_completion_length": 64, "max_new_tokens": 16, "loss_type": "dr_grpo"})
-    assert (both.max_new_tokens, both.loss_config().max_completion_length) == (16, 64)
+    assert (both.max_new_tokens, both.loss.max_completion_length) == (16, 64)
     with pytest.raises(ValueError, match="'per_device_train_batch_size' is TRL's .* use batch_size"):
         GRPOConfig.from_dict({"per_device_train_batch_size": 4})
     with pytest.raises(ValueError, match="'num_generations' is TRL's name of 'group_size': give one"):
@@ -242,7 +242,7 @@ def test_an_optional_flag_takes_the_word_none(capsys):
     parser = build_parser()
     argv = ["train", "--sampling-correction", "None", "--max-prompt-length", "None", "--sampling-correction-max", "2.5"]
     config = make_config(parser.parse_args(argv))
-    assert config.sampling_correction is None and config.correction_mode() is None
+    assert config.sampling_correction is None and config.async_.correction_mode() is None
     assert config.max_prompt_length is None and config.sampling_correction_max == 2.5
     assert make_config(parser.parse_args(["train", "--max-prompt-length", "12"])).max_prompt_length == 12
     with pytest.raises(SystemExit):

@@ -77,8 +77,10 @@ def test_loss_config_object_equals_keywords_and_not_both(monkeypatch):
         grpo_fast.grpo_loss(*args, beta=0.04, loss_config=LossConfig(beta=0.04))
     with pytest.raises(TypeError, match="loss_config must be a grpo_fast.LossConfig"):
         grpo_fast.grpo_loss(*args, loss_config=dict(beta=0.04))
-    trainer_config = GRPOConfig(**options)  # the trainer's config is a LossConfig too
-    assert grpo_fast.grpo_loss(*args, loss_config=trainer_config).loss.item() == by_keywords.loss.item()
+    trainer_config = GRPOConfig(**options)  # the trainer's config holds a LossConfig: its loss section
+    assert grpo_fast.grpo_loss(*args, loss_config=trainer_config.loss).loss.item() == by_keywords.loss.item()
+    with pytest.raises(TypeError, match="loss_config must be a grpo_fast.LossConfig, got GRPOConfig"):
+        grpo_fast.grpo_loss(*args, loss_config=trainer_config)
 
 
 def test_trainer_config_rejects_loss_options_before_loading_anything():
@@ -89,7 +91,7 @@ def test_trainer_config_rejects_loss_options_before_loading_anything():
     ):
         with pytest.raises(ValueError, match=match):
             GRPOConfig(**options).validate()
-    assert GRPOConfig(loss_type="dr_grpo", max_new_tokens=7).loss_config().max_completion_length == 7
+    assert GRPOConfig(loss_type="dr_grpo", max_new_tokens=7).loss.max_completion_length == 7
 
 
 # ----------------------------------------------------------------------------- a toy loss type
@@ -224,10 +226,10 @@ def test_sampling_correction_defaults_are_trls():
     trl = pytest.importorskip("trl")
     args = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)})
     ours = GRPOConfig()
-    assert args.vllm_importance_sampling_correction and ours.correction_mode() is not None
-    assert ours.correction_mode() == args.vllm_importance_sampling_mode
-    assert GRPOConfig(max_staleness=1).correction_mode() == "token_truncate"
-    assert GRPOConfig(max_staleness=1, sampling_correction="sequence_mask").correction_mode() == "sequence_mask"
+    assert args.vllm_importance_sampling_correction and ours.async_.correction_mode() is not None
+    assert ours.async_.correction_mode() == args.vllm_importance_sampling_mode
+    assert GRPOConfig(max_staleness=1).async_.correction_mode() == "token_truncate"
+    assert GRPOConfig(max_staleness=1, sampling_correction="sequence_mask").async_.correction_mode() == "sequence_mask"
     assert ours.sampling_correction_max == args.vllm_importance_sampling_clip_max
     assert ours.sampling_correction_min == args.vllm_importance_sampling_clip_min
     defaults = inspect.signature(spec.sampling_correction).parameters

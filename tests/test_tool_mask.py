@@ -152,7 +152,7 @@ def test_loss_and_gradients_equal_the_float64_reference(tmp_path, case):
     masks: loss, KL and entropy, gradients; the correction's weights are TRL's, 0 at tools."""
     trainer = tool_trainer(tmp_path, **case)
     batch, tool = tool_batch(trainer)
-    mask, correction = batch.completion_mask, trainer.config.correction_options()
+    mask, correction = batch.completion_mask, trainer.config.async_.correction_options()
     (_, _, first, _), second = passes = two_passes(trainer, batch)
     policy_logp = completion_logprobs(trainer.policy, batch.samples.input_ids, batch.samples.attention_mask, C)
     weights = trl_sampling_correction(policy_logp, batch.samples.sampling_logprobs, mask, **correction)

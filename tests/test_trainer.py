@@ -344,8 +344,8 @@ def test_a_hub_model_name_reaches_from_pretrained_unchanged(tmp_path, monkeypatc
     must be a folder."""
     import transformers
 
+    from grpo_fast.tasks.datasets import is_local_path
     from grpo_fast.trainer import grpo
-    from grpo_fast.trainer.config import is_local_path
 
     calls, checked = [], []
     tokenizer = build_tokenizer()

@@ -274,7 +274,7 @@ def run_trl(work: Workload, options: dict, use_vllm: bool) -> dict:
             vllm_enable_sleep_mode=False,  # vLLM's CPU backend has no sleep mode; ours does not sleep either
             vllm_gpu_memory_utilization=ours.vllm_gpu_memory_utilization,
             vllm_importance_sampling_correction=True,
-            vllm_importance_sampling_mode=ours.correction_mode(),
+            vllm_importance_sampling_mode=ours.async_.correction_mode(),
             vllm_importance_sampling_clip_min=ours.sampling_correction_min,
             vllm_importance_sampling_clip_max=ours.sampling_correction_max,
         )

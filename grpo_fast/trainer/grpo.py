@@ -107,14 +107,15 @@ class GRPOTrainer:
             check_model_source(config)
         # what the model card says of the model and prompts: named by the config, or passed in
         self.card_options = dict(model_given=model is not None, rows_given=rows is not None)
-        self.config, self.loss_config = config, config.loss_config()
+        self.config, self.loss_config = config, config.loss
         set_seed(config.seed)
         self.runtime = runtime = Runtime.start(config)
         runtime.log(config.precision)
         ranks = runtime.ranks
-        if config.prompts_per_step % ranks.world_size:
+        prompts = config.rollout.prompts_per_step
+        if prompts % ranks.world_size:
             raise ValueError(
-                f"batch_size={config.batch_size} gives {config.prompts_per_step} prompts per step (batch_size / "
+                f"batch_size={config.batch_size} gives {prompts} prompts per step (batch_size / "
                 f"group_size), which must be divisible by the world size {ranks.world_size}: each rank samples "
                 "the same number of whole groups"
             )
@@ -140,7 +141,7 @@ class GRPOTrainer:
         self.reward_funcs, self.reward_names = resolve_rewards(
             reward_funcs or config.reward_funcs, config.dataset, config.task, self.environment is not None
         )
-        self.data = DataOrder(self.rows, config.seed, config.prompts_per_step, ranks)
+        self.data = DataOrder(self.rows, config.seed, config.rollout.prompts_per_step, ranks)
         self.source = self._make_source()
         self.evaluator = None
         if config.eval_every or config.eval_dataset is not None:
@@ -185,7 +186,7 @@ class GRPOTrainer:
             task=config.task,
             tools=self.tool_schemas,
             split=config.dataset_split,
-            **config.prompt_options(),
+            **config.data.prompt_options(),
         )
 
     def _make_source(self):
@@ -240,7 +241,8 @@ class GRPOTrainer:
         passes, proximal = [], None
         for _ in range(self.config.num_iterations if batch.stats is not None else 0):
             result = self.accumulate_gradients(batch, proximal)
-            proximal = proximal or Proximal.of(result, batch, self.config.correction_options(), self.runtime.ranks)
+            correction = self.config.async_.correction_options()
+            proximal = proximal or Proximal.of(result, batch, correction, self.runtime.ranks)
             passes.append(dict(result.metrics, **self.optimizer_step(result.metrics["loss"])))
             self.source.publish(self.policy, self.version + len(passes))
         clock.mark("update")
@@ -273,7 +275,7 @@ class GRPOTrainer:
         """One pass's backward over the batch (``passes.accumulate``); the first (``proximal``
         None) records its log-probs where a later pass or the sampling correction needs them."""
         record = proximal is None and (
-            self.config.num_iterations > 1 or corrects(batch.samples, self.config.correction_options())
+            self.config.num_iterations > 1 or corrects(batch.samples, self.config.async_.correction_options())
         )
         return accumulate(self.modules, batch, proximal, self.config, self.runtime.ranks, record)
 

@@ -69,7 +69,7 @@ class InProcessRollouts(RolloutSource):
         self.turn_loop = turn_loop
 
     def next(self, position: int, version: int) -> Samples:
-        config, G, wanted = self.config, self.config.group_size, self.config.prompts_per_step
+        config, G, wanted = self.config, self.config.group_size, self.config.rollout.prompts_per_step
         rounds_allowed = config.max_sampling_rounds if config.dynamic_sampling else 1
         parts, kept, dropped, rounds = [], 0, 0, 0  # kept, dropped: groups over every rank
         while kept < wanted and rounds < rounds_allowed:

@@ -332,13 +332,13 @@ class Worker:
             config.generator, self.model, setup.tokenizer, EngineSettings.of(config), runtime
         )
         self.turn_loop = turn_loop(setup.tokenizer, setup.tools, load_environment(setup.environment), config)
-        self.packed = PackedPolicy(self.model, config.loss_config(), runtime)
+        self.packed = PackedPolicy(self.model, config.loss, runtime)
         self.reference, self.reference_packed = None, None
         if setup.reference_is_policy:
             self.reference, self.reference_packed = self.model, self.packed
         elif setup.reference is not None:
             self.reference = setup.reference.to(self.device)
-            self.reference_packed = PackedPolicy(self.reference, config.loss_config(), runtime)
+            self.reference_packed = PackedPolicy(self.reference, config.loss, runtime)
 
     def run(self) -> None:
         setup, config = self.setup, self.setup.config

@@ -66,7 +66,7 @@ def load_eval_rows(config, tokenizer=None, tools: list | None = None) -> list:
         task=config.task,
         held_out=True,
         tools=tools,
-        **config.prompt_options(),
+        **config.data.prompt_options(),
     )
 
 

@@ -116,7 +116,7 @@ def accumulate(modules, batch: StepBatch, proximal: Proximal | None, config, ran
     keep the log-probs (and apply and keep the sampling correction where the samples need it).
     Returns a :class:`PassResult`: the loss and the token-weighted means of the loss metrics
     over the global batch, as this rank's shares (summed over ranks when read)."""
-    loss_config, correction = modules.packed.loss_config, config.correction_options()
+    loss_config, correction = modules.packed.loss_config, config.async_.correction_options()
     behaviour = record and corrects(batch.samples, correction)
     mask = batch.completion_mask
     # Counts in float64, as Python's numbers were: the weights must not round the gradient.
