@@ -42,7 +42,9 @@ def flags_markdown() -> str:
     fields = {field.name: field for field in dataclasses.fields(GRPOConfig)}
     parts = []
     for topic, names in help_topics().items():
-        parts += [f"## {topic[0].upper()}{topic[1:]}", "", "| flag | default | what it does |", "|---|---|---|"]
+        section = fields[names[0]].metadata["section"]
+        heading = f"## {topic[0].upper()}{topic[1:]} (YAML section `{section}:`)"
+        parts += [heading, "", "| flag | default | what it does |", "|---|---|---|"]
         for name in names:
             flags = " ".join(f"`{flag}`" for flag in flag_names(name))
             text = fields[name].metadata["help"].replace("|", "\\|")

@@ -176,7 +176,7 @@ def build_parser(resolved: GRPOConfig | None = None) -> argparse.ArgumentParser:
     )
     fields = {field.name: field for field in dataclasses.fields(GRPOConfig)}
     for topic, names in help_topics().items():
-        group = train.add_argument_group(topic)
+        group = train.add_argument_group(topic, f"YAML section: {fields[names[0]].metadata['section']}")
         for name in names:
             _add_field(group, fields[name], resolved)
     for trl, instead in TRL_INSTEAD.items():

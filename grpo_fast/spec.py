@@ -352,31 +352,21 @@ class LossConfig(_Frozen):
     loss_config=LossConfig(beta=0.04))`` passes one that was built once (the trainer does).
     """
 
-    beta: float = option(0.0, "weight of the KL penalty to the reference model (0 = no reference)", topic="loss")
-    eps_low: float = option(0.2, "lower clip: the ratio is clipped at 1 - eps_low", topic="loss")
-    eps_high: float | None = option(
-        None, "upper clip 1 + eps_high (None = eps_low); for cispo, the ratio's cap", topic="loss"
-    )
-    delta: float | None = option(
-        None, "upper bound > 1 of the unclipped ratio (two-sided clipping), or None", topic="loss"
-    )
-    dual_clip: float | None = option(
-        None, "c > 1: where A < 0 the policy term is capped at -A * c (verl), or None", topic="loss"
-    )
-    temperature: float = option(1.0, "> 0: the logits are divided by it (the sampling temperature)", topic="rollout")
-    loss_type: str = option("grpo", f"one of {', '.join(LOSS_TYPES)}", topic="loss")
-    importance_sampling: str = option(
-        "token", "'token' ratios, or 'sequence' (GSPO: one ratio per sequence)", topic="loss"
-    )
-    kl_estimator: str = option("k3", f"KL estimator of d = ref - logp: {', '.join(KL_ESTIMATORS)}", topic="loss")
+    beta: float = option(0.0, "weight of the KL penalty to the reference model (0 = no reference)")
+    eps_low: float = option(0.2, "lower clip: the ratio is clipped at 1 - eps_low")
+    eps_high: float | None = option(None, "upper clip 1 + eps_high (None = eps_low); for cispo, the ratio's cap")
+    delta: float | None = option(None, "upper bound > 1 of the unclipped ratio (two-sided clipping), or None")
+    dual_clip: float | None = option(None, "c > 1: where A < 0 the policy term is capped at -A * c (verl), or None")
+    temperature: float = option(1.0, "> 0: the logits are divided by it (the sampling temperature)")
+    loss_type: str = option("grpo", f"one of {', '.join(LOSS_TYPES)}")
+    importance_sampling: str = option("token", "'token' ratios, or 'sequence' (GSPO: one ratio per sequence)")
+    kl_estimator: str = option("k3", f"KL estimator of d = ref - logp: {', '.join(KL_ESTIMATORS)}")
     kl_bias_correction: bool = option(
-        False, "multiply the KL term by the importance ratio (TRL's use_bias_correction_kl)", topic="loss"
+        False, "multiply the KL term by the importance ratio (TRL's use_bias_correction_kl)"
     )
-    max_completion_length: int | None = option(
-        None, "dr_grpo's normaliser: the loss is divided by B * it", topic="loss"
-    )
-    sapo_tau_pos: float = option(1.0, "SAPO's gate temperature where A > 0", topic="loss")
-    sapo_tau_neg: float = option(1.05, "SAPO's gate temperature where A <= 0", topic="loss")
+    max_completion_length: int | None = option(None, "dr_grpo's normaliser: the loss is divided by B * it")
+    sapo_tau_pos: float = option(1.0, "SAPO's gate temperature where A > 0")
+    sapo_tau_neg: float = option(1.05, "SAPO's gate temperature where A <= 0")
 
     def __post_init__(self):
         self.validate()

@@ -60,13 +60,12 @@ def attribute(section: str) -> str:
     return section + "_" if keyword.iskeyword(section) else section
 
 
-def topic(section: type, f: dataclasses.Field) -> str:
-    """A field's ``--help`` topic: its own (the loss's temperature is listed with the rollout's
-    sampling options) or its section's title."""
-    return f.metadata.get("topic") or section.title
+def title(section: str) -> str:
+    """A section's ``--help`` topic and docs heading: its class's title (the loss's: its name)."""
+    return getattr(SECTIONS[section], "title", section)
 
 
-TOPICS = tuple(dict.fromkeys(getattr(cls, "title", "loss") for cls in SECTIONS.values()))
+TOPICS = tuple(title(name) for name in SECTIONS)
 
 
 class RunConfig:
@@ -198,7 +197,7 @@ def _fields():
     for name, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             default = RUN_DEFAULTS.get(f.name, option_default(f))
-            spec = option(default, f.metadata["help"], topic=topic(cls, f))
+            spec = option(default, f.metadata["help"], topic=title(name))
             spec.metadata = types.MappingProxyType({**spec.metadata, "section": name})
             yield f.name, f.type, spec
 
