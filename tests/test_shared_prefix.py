@@ -21,6 +21,7 @@ from grpo_fast.packing import (
     packed_hidden,
     packed_logits,
     to_grid,
+    use_packed_attention,
 )
 from grpo_fast.packing.layout import CALL_COST
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
@@ -56,8 +57,8 @@ def rollout(group_size: int, prompt_lengths: list, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def model():
-    """The demo model in float64 with grouped-query attention."""
-    return build_model(build_tokenizer(), seed=3, num_key_value_heads=2).double()
+    """The demo model in float64 with grouped-query attention, set to the packed attention."""
+    return use_packed_attention(build_model(build_tokenizer(), seed=3, num_key_value_heads=2).double())
 
 
 def test_shared_layout():
@@ -272,6 +273,7 @@ def test_sliding_windows_in_the_packed_layouts(call_cost, monkeypatch):
     gemma = Gemma3ForCausalLM(config).double()
     input_ids, attention = rollout(4, [4, 1, 7])
     padded = completion_logits(gemma, input_ids, attention, C)  # [N, C, V], transformers' own masks
+    use_packed_attention(gemma)
     (whole,) = pack_micro_batches(input_ids, attention, C, None, None)
     (shared,) = pack_micro_batches(input_ids, attention, C, None, None, group_size=4)
     g = torch.Generator().manual_seed(0)

@@ -109,12 +109,12 @@ def shared_prefix_passes(model_sizes: dict, dry_run: bool, device: str, repeats:
     after a warm-up (FlexAttention's compilation falls in the warm-up), forward tokens, peak
     memory."""
     from grpo_fast import token_logprobs
-    from grpo_fast.packing import pack_micro_batches, packed_logits
+    from grpo_fast.packing import pack_micro_batches, packed_logits, use_packed_attention
     from grpo_fast.packing.layout import CALL_COST
 
     sizes = dict(model_sizes)
     torch.manual_seed(0)
-    model = build_model(build_tokenizer(sizes.pop("vocab_size")), seed=0, **sizes).to(device)
+    model = use_packed_attention(build_model(build_tokenizer(sizes.pop("vocab_size")), seed=0, **sizes).to(device))
     groups, G, (low, high), C = (2, 4, (6, 10), 6) if dry_run else (4, 8, (100, 120), 45)
     g = torch.Generator().manual_seed(0)
     P, V = high, model.config.vocab_size

@@ -84,7 +84,7 @@ from grpo_fast.model_files import model_folder
 from grpo_fast.ops import fused_linear_token_logprobs
 from grpo_fast.ops.fused_linear_grpo_loss import fused_linear_loss_with_tokens
 from grpo_fast.ops.policy import LossInputs
-from grpo_fast.packing import pack_by_prompt, packed_hidden, shared_layout_blocker, to_grid
+from grpo_fast.packing import pack_by_prompt, packed_hidden, shared_layout_blocker, to_grid, use_packed_attention
 from grpo_fast.spec import LOSS_TYPES, LossConfig
 
 # Before anything reads TRL's internals: one clear error for a TRL this module is not written for.
@@ -222,9 +222,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._grpo_fast_warned = set()
         # Each prompt through the backbone once per micro-batch, where the model can take it.
         self.shared_prefix = shared_prefix and shared_layout_blocker(self.model) is None
-        add_hidden_state_head(self.model.get_base_model() if is_peft_model(self.model) else self.model)
-        if self.ref_model is not None:
-            add_hidden_state_head(self.ref_model)
+        base = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        for built in (base, self.ref_model):
+            if built is not None:
+                add_hidden_state_head(built)
+                if self.shared_prefix:  # the packed passes' attention, set once (unpacked calls: as before)
+                    use_packed_attention(built)
         text_config = self.model.config.get_text_config()
         self._logit_transform = [
             name for name in LOGIT_TRANSFORMS if getattr(text_config, name, None) not in (None, 1, 1.0)

@@ -4,19 +4,20 @@ prompt once, and the attention that keeps each to itself.
     layout.py     the packed layout (:class:`Packed`, :func:`pack`, shared prefixes,
                   :func:`pack_by_prompt`), its SDPA calls (:func:`attention_grids`), the
                   token-budget micro-batches, :func:`to_grid`
-    attention.py  :func:`packed_sdpa` (whole rows and shared prefixes), the packed forwards
+    attention.py  :func:`packed_sdpa` (whole rows and shared prefixes), the attention a model
+                  is set to once (:func:`use_packed_attention`), the packed forwards
                   :func:`packed_logits` and :func:`packed_hidden`, what cannot take the layout
 
 The trainer and the TRL drop-in both pack with it; it imports nothing of theirs.
 """
 
 from grpo_fast.packing.attention import (
-    PACKED_ATTENTION,
-    packed_attention,
+    PACKED_ATTENTIONS,
     packed_hidden,
     packed_logits,
     packed_sdpa,
     shared_layout_blocker,
+    use_packed_attention,
 )
 from grpo_fast.packing.layout import (
     ATTENTIONS,
@@ -35,7 +36,7 @@ from grpo_fast.packing.layout import (
 
 __all__ = [
     "ATTENTIONS",
-    "PACKED_ATTENTION",
+    "PACKED_ATTENTIONS",
     "Grid",
     "Grids",
     "Packed",
@@ -45,11 +46,11 @@ __all__ = [
     "pack",
     "pack_by_prompt",
     "pack_micro_batches",
-    "packed_attention",
     "packed_hidden",
     "packed_logits",
     "packed_sdpa",
     "row_lengths",
     "shared_layout_blocker",
     "to_grid",
+    "use_packed_attention",
 ]

@@ -1,14 +1,14 @@
 """The attention of a packed micro-batch (``layout.py``), and the packed forwards.
 
 Attention must keep each sequence to itself: with ``flash_attention_2`` transformers reads
-``cu_seq_lens_*`` and runs the varlen kernel; otherwise :func:`packed_attention` switches the
-model to :func:`packed_sdpa`, which gathers the packed queries, keys and values onto grids
-and makes one SDPA call per grid (exact: a real query attends only to real keys of its
-own sequence). A grid holds sequences of like length (``layout.attention_grids``): one grid
-over a micro-batch costs n * longest^2 in attention, which on rows of 20 to 300 tokens was 4x
-the work of the rows themselves; the block-diagonal S x S mask transformers builds from
-restarting ``position_ids`` costs S^2 (measured 2-3x slower than one grid on the demo's 128
-short sequences).
+``cu_seq_lens_*`` and runs the varlen kernel; otherwise :func:`packed_sdpa` gathers the packed
+queries, keys and values onto grids and makes one SDPA call per grid (exact: a real query
+attends only to real keys of its own sequence). A grid holds sequences of like length
+(``layout.attention_grids``): one grid over a micro-batch costs n * longest^2 in attention,
+which on rows of 20 to 300 tokens was 4x the work of the rows themselves; the block-diagonal
+S x S mask transformers builds from restarting ``position_ids`` costs S^2 (measured 2-3x slower
+than one grid on the demo's 128 short sequences), so a packed forward hands the model a ready,
+empty mask and transformers builds none.
 
 A shared-prefix pack (:class:`~grpo_fast.packing.layout.SharedPrefix`) attends each prompt
 causally to itself and each completion to its prompt and causally to itself, never to another
@@ -18,11 +18,21 @@ spans reach past its window, the keys further back than the window (positions co
 each unit, as in the whole row). flash-attention's varlen kernel cannot take the shared layout,
 nor can :func:`packed_sdpa` take logit softcapping, so those models pack whole rows
 (:func:`shared_layout_blocker`).
+
+How a model reaches :func:`packed_sdpa`: :func:`use_packed_attention`, where the model is
+built, sets its attention implementation once to a name registered through transformers'
+``AttentionInterface.register`` (``PACKED_ATTENTIONS``: one per implementation it wraps, sdpa
+or eager, each with that implementation's masks). The function under the name looks at each
+call's keyword arguments, which transformers hands from the forward down to every attention
+call: a pack's ``packed_grids`` or ``flex_block_mask`` send it to :func:`packed_sdpa`, anything
+else to the model's own attention with its own mask, so generation and any unpacked forward
+attend as before. Nothing is switched per forward: gradient checkpointing replays a layer's
+keywords when it recomputes it, and two models, or two threads, packed and not, share nothing.
 """
 
-import contextlib
 import functools
 import logging
+import sys
 
 import torch
 
@@ -30,7 +40,11 @@ from grpo_fast.packing.layout import Grids, Packed, attention_grids, whole_row_s
 
 logger = logging.getLogger("grpo_fast")
 
-PACKED_ATTENTION = "grpo_fast_packed_sdpa"
+# The attention implementations a packed model can have had, and the name each becomes. A name
+# per implementation (not one) so that unpacked calls keep that implementation's masks, which
+# transformers picks by the name: SDPA's boolean masks, eager's additive ones.
+PACKED_ATTENTIONS = {"sdpa": "grpo_fast_packed_sdpa", "eager": "grpo_fast_packed_eager"}
+_ORIGINALS = {name: original for original, name in PACKED_ATTENTIONS.items()}
 _sdpa = torch.nn.functional.scaled_dot_product_attention
 
 
@@ -38,6 +52,71 @@ def _on_flash(model) -> bool:
     """Whether ``model`` attends with flash-attention, whose varlen kernel reads the pack's
     ``cu_seq_lens_*`` itself (no :func:`packed_sdpa`, no block mask)."""
     return (model.config._attn_implementation or "").startswith("flash_attention")
+
+
+def use_packed_attention(model):
+    """``model`` (a transformers causal LM, or a peft model of one), its attention set to the
+    packed attention once: the name in ``PACKED_ATTENTIONS`` of its implementation, registered
+    in this process (see the module docstring). Idempotent: a model already set (a copy, or one
+    unpickled in a worker process) gets the registration only; a flash-attention model is left
+    as it is. Returns ``model``. Raises ValueError for another implementation, or a model whose
+    attention does not go through transformers' ``AttentionInterface``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    if _on_flash(base):
+        return model
+    current = base.config._attn_implementation
+    original = _ORIGINALS.get(current, current)
+    if original not in PACKED_ATTENTIONS:
+        raise ValueError(
+            f"packed sequences need attn_implementation 'sdpa', 'eager' or 'flash_attention_2'; model has {current!r}"
+        )
+    name = _register(original)
+    if current != name:
+        base.set_attn_implementation(name)
+    if base.config._attn_implementation != name:  # transformers declined, and said why in its log
+        raise ValueError(
+            f"model ({type(base).__name__}) does not attend through transformers' AttentionInterface, so it cannot "
+            "attend within packed sequences; load it with attn_implementation='flash_attention_2'"
+        )
+    return model
+
+
+@functools.cache
+def _register(original: str) -> str:
+    """Registers, once per process, ``original``'s packed name: :func:`_attend` for its calls,
+    ``original``'s mask function for its masks (none where ``original`` has none)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = PACKED_ATTENTIONS[original]
+    AttentionInterface.register(name, functools.partial(_attend, original))
+    if original in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    return name
+
+
+def _attend(original: str, module, query, key, value, attention_mask, *args, **kwargs):
+    """The registered attention: :func:`packed_sdpa` for a call whose keywords carry a pack's
+    grids or block mask (``_packed_inputs``), else the attention ``module``'s model runs under
+    ``original``. Shapes as :func:`packed_sdpa`'s (transformers' attention functions')."""
+    if kwargs.get("packed_grids") is not None or kwargs.get("flex_block_mask") is not None:
+        return packed_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+    return _own_attention(type(module), original)(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _own_attention(module_type: type, original: str):
+    """The function ``module_type``'s forward calls under ``original``, looked up as its own
+    code does: in its file's ``ALL_ATTENTION_FUNCTIONS`` (where a model may override an entry
+    of transformers'), or its file's ``eager_attention_forward`` (eager: each model has its own).
+    Two dictionary reads a call, uncached: torch.compile traces it (a compiled decode step)."""
+    from transformers import AttentionInterface
+
+    home = vars(sys.modules[module_type.__module__])
+    if original == "eager":
+        if "eager_attention_forward" not in home:
+            raise ValueError(f"{module_type.__name__}'s module has no eager_attention_forward to fall back to")
+        return home["eager_attention_forward"]
+    return home.get("ALL_ATTENTION_FUNCTIONS", AttentionInterface())[original]
 
 
 def shared_layout_blocker(model) -> str | None:
@@ -134,26 +213,6 @@ def _kernels_take_gqa(query) -> bool:
     return not query.is_cuda
 
 
-@contextlib.contextmanager
-def packed_attention(model):
-    """Inside the block ``model`` attends within packed sequences: flash-attention models as
-    they are (they read ``cu_seq_lens_*``), any other through :func:`packed_sdpa`."""
-    if _on_flash(model):
-        yield model
-        return
-    config = model.config
-    saved = config._attn_implementation
-    from transformers import AttentionInterface
-
-    if PACKED_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
-    config._attn_implementation = PACKED_ATTENTION
-    try:
-        yield model
-    finally:
-        config._attn_implementation = saved
-
-
 def flex_block_mask(packed: Packed):
     """FlexAttention's block mask of a pack (``packed.attention == "flex"``), built once per
     forward: a query sees the keys of its own unit, causally, that are its unit's prompt or of
@@ -197,47 +256,28 @@ def _flex(query, key, value, block_mask, dropout: float, scaling):
     return out.transpose(1, 2)
 
 
-class _AttendPackedInBackward(torch.autograd.Function):
-    """The identity on a packed forward's output. Its backward, the first of the pass to run,
-    switches the model to :func:`packed_sdpa` until the backward ends: gradient checkpointing
-    recomputes each layer's forward there, after :func:`packed_attention` has exited, and the
-    recomputation must attend as the forward did (whoever calls the backward: our trainer,
-    TRL's)."""
-
-    @staticmethod
-    def forward(ctx, config, output):
-        ctx.config = config
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad):
-        config, saved = ctx.config, ctx.config._attn_implementation
-        if saved != PACKED_ATTENTION:
-            config._attn_implementation = PACKED_ATTENTION
-
-            def restore():
-                config._attn_implementation = saved
-
-            torch.autograd.Variable._execution_engine.queue_callback(restore)
-        return None, grad
-
-
-def _held_through_backward(model, output: torch.Tensor) -> torch.Tensor:
-    """``output`` of a packed forward of ``model``, its backward attending packed (see
-    :class:`_AttendPackedInBackward`); flash-attention models need nothing."""
-    if not output.requires_grad or _on_flash(model):
-        return output
-    return _AttendPackedInBackward.apply(model.config, output)
-
-
 def _packed_inputs(model, packed: Packed) -> dict:
+    """The keywords of ``model``'s forward on ``packed``: the pack's ids and positions, its
+    boundaries (flash-attention's varlen kernel reads them), and for :func:`packed_sdpa` the
+    pack's grids or block mask, which send every attention call of the forward, and of its
+    recomputation under gradient checkpointing, to it."""
     cu, longest = packed.cu_seqlens, packed.max_length
     if _on_flash(model):
         kernel = {}
-    elif packed.attention == "flex":
-        kernel = {"flex_block_mask": flex_block_mask(packed)}
     else:
-        kernel = {"packed_grids": packed.grids}
+        if model.config._attn_implementation not in _ORIGINALS:
+            raise ValueError(
+                f"model attends with {model.config._attn_implementation!r}, which would attend across the packed "
+                "sequences; build it with grpo_fast.packing.use_packed_attention(model)"
+            )
+        # A ready 4D mask spares transformers the [S, S] block-diagonal mask it would build from
+        # the restarting positions (packed_sdpa needs none). Empty, so that an attention other
+        # than packed_sdpa fails on it rather than attend across sequences.
+        kernel = {"attention_mask": torch.empty((1, 1, 0, 0), dtype=torch.bool, device=packed.input_ids.device)}
+        if packed.attention == "flex":
+            kernel["flex_block_mask"] = flex_block_mask(packed)
+        else:
+            kernel["packed_grids"] = packed.grids
     return dict(
         input_ids=packed.input_ids,
         position_ids=packed.position_ids,
@@ -251,14 +291,13 @@ def _packed_inputs(model, packed: Packed) -> dict:
 
 
 def packed_logits(model, packed: Packed) -> torch.Tensor:
-    """The logits that predict the completion tokens: [1, Nc, V] (the LM head runs there only)."""
-    with packed_attention(model):
-        logits = model(**_packed_inputs(model, packed), logits_to_keep=packed.logit_index).logits
-    return _held_through_backward(model, logits)
+    """The logits that predict the completion tokens: [1, Nc, V] (the LM head runs there only).
+    ``model`` is flash-attention's or set by :func:`use_packed_attention`."""
+    return model(**_packed_inputs(model, packed), logits_to_keep=packed.logit_index).logits
 
 
 def packed_hidden(model, packed: Packed) -> torch.Tensor:
-    """The last hidden states (after the final norm) that predict the completion tokens: [Nc, H]."""
-    with packed_attention(model):
-        hidden = model.get_decoder()(**_packed_inputs(model, packed)).last_hidden_state
-    return _held_through_backward(model, hidden[0, packed.logit_index])
+    """The last hidden states (after the final norm) that predict the completion tokens: [Nc, H].
+    ``model`` as for :func:`packed_logits`."""
+    hidden = model.get_decoder()(**_packed_inputs(model, packed)).last_hidden_state
+    return hidden[0, packed.logit_index]

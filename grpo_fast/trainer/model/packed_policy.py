@@ -16,7 +16,7 @@ from grpo_fast import fused_linear_token_logprobs, policy_loss, token_logprobs
 from grpo_fast.ops.fused_linear_grpo_loss import fused_head_saves_memory, fused_linear_loss_with_tokens
 from grpo_fast.ops.policy import LossInputs
 from grpo_fast.outputs import LossOutput
-from grpo_fast.packing import Packed, pack, packed_hidden, packed_logits, to_grid
+from grpo_fast.packing import Packed, pack, packed_hidden, packed_logits, to_grid, use_packed_attention
 from grpo_fast.spec import LossConfig, SamplingCorrection, sampling_correction
 
 
@@ -61,7 +61,9 @@ class PackedPolicy(torch.nn.Module):
     """``policy`` (a causal LM) run on packed micro-batches.
 
     Args:
-        policy: the model; its parameters are this module's.
+        policy: the model; its parameters are this module's. Its attention is set to the packed
+            attention here, once (``use_packed_attention``): every packed pass of the trainer,
+            the policy's, the reference's and a rollout worker's, runs through this module.
         loss_config: the run's loss options (its temperature scales every log-prob).
         runtime: the precision of the forwards (``Runtime.autocast``).
         entropy: the loss passes also average the per-token entropy (a logged number: on
@@ -70,7 +72,7 @@ class PackedPolicy(torch.nn.Module):
 
     def __init__(self, policy, loss_config: LossConfig, runtime, *, entropy: bool = True):
         super().__init__()
-        self.policy = policy
+        self.policy = use_packed_attention(policy)
         self.loss_config, self.runtime, self.entropy = loss_config, runtime, entropy
 
     def forward(

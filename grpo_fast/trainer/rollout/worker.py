@@ -328,11 +328,13 @@ class Worker:
         self.model = setup.model.to(self.device)
         self.params = dict(self.model.named_parameters())
         self.loaded = -1
+        # Before the engine: the model's config names the packed attention (pickled with it),
+        # which PackedPolicy registers in this process before any forward looks it up.
+        self.packed = PackedPolicy(self.model, config.loss, runtime)
         self.generator = make_generator(
             config.generator, self.model, setup.tokenizer, EngineSettings.of(config), runtime
         )
         self.turn_loop = turn_loop(setup.tokenizer, setup.tools, load_environment(setup.environment), config)
-        self.packed = PackedPolicy(self.model, config.loss, runtime)
         self.reference, self.reference_packed = None, None
         if setup.reference_is_policy:
             self.reference, self.reference_packed = self.model, self.packed
