@@ -15,8 +15,8 @@ import types
 
 import pytest
 import torch
+from _packed import C, rollout
 from conftest import completion_logits, max_err, rel_err
-from test_shared_prefix import C, rollout
 from transformers import AttentionInterface, LlamaForCausalLM
 
 import grpo_fast.packing.attention as packed_attention_module

@@ -9,8 +9,8 @@ and of the maximum length, grouped-query attention, and micro-batches that split
 
 import pytest
 import torch
+from _packed import C, assert_packed_equals_padded, float64_trainer, rollout
 from conftest import completion_logits, max_err, rel_err
-from test_packing import assert_packed_equals_padded, float64_trainer
 
 import grpo_fast.packing.attention as packed_attention_module
 from grpo_fast.packing import (
@@ -29,30 +29,7 @@ from grpo_fast.trainer import GRPOConfig
 from grpo_fast.trainer.choices import ATTENTION_KERNELS
 from grpo_fast.trainer.model.packing import shared_group_size
 
-C = 5  # the completions' columns
 pytestmark = pytest.mark.usefixtures("float64_norms")  # Llama's norm in float64 (tests/_float64.py)
-
-
-def rollout(group_size: int, prompt_lengths: list, seed: int = 0):
-    """A padded rollout of len(prompt_lengths) groups: [N, P + C] input_ids and attention mask,
-    each group's rows one prompt (left-padded), completions of 1 to C tokens (right-padded),
-    the first row of every group C long and the last 1 long."""
-    g = torch.Generator().manual_seed(seed)
-    P = max(prompt_lengths)
-    rows, masks = [], []
-    for length in prompt_lengths:
-        prompt = torch.randint(3, 15, (length,), generator=g)
-        for i in range(group_size):
-            n = C if i == 0 else 1 if i == group_size - 1 else int(torch.randint(1, C + 1, (), generator=g))
-            completion = torch.randint(3, 15, (n,), generator=g)
-            ids = torch.zeros(P + C, dtype=torch.long)
-            ids[P - length : P] = prompt
-            ids[P : P + n] = completion
-            mask = torch.zeros(P + C, dtype=torch.long)
-            mask[P - length : P + n] = 1
-            rows.append(ids)
-            masks.append(mask)
-    return torch.stack(rows), torch.stack(masks)
 
 
 @pytest.fixture(scope="module")
