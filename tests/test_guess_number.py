@@ -157,7 +157,7 @@ def greedy_games(model, tokenizer, rows: list, max_turns: int) -> list:
 
     config = GRPOConfig(task="guess_number", max_turns=max_turns, top_k=1)
     engine = make_generator("sampler", model, tokenizer, EngineSettings.of(config))
-    loop = TurnLoop(ChatTemplate(tokenizer), config, EnvironmentFactory("guess_number"))
+    loop = TurnLoop(ChatTemplate(tokenizer), config.tooling, EnvironmentFactory("guess_number"))
     return rollout(engine, rows, list(range(len(rows))), [], group_size=1, turns=loop).completions
 
 

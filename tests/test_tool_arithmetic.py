@@ -25,7 +25,7 @@ def solve(model, tokenizer, rows: list, *, tools: bool) -> list:
     template = ToolTemplate(tokenizer, list(task.TOOLS)) if tools else None
     rows = format_prompts(rows, tokenizer, tools=template.schemas if tools else None)
     engine = make_generator("sampler", model, tokenizer, EngineSettings.of(config))
-    loop = TurnLoop(template, config) if tools else None
+    loop = TurnLoop(template, config.tooling) if tools else None
     return rollout(engine, rows, list(range(len(rows))), [], group_size=1, turns=loop).completions
 
 

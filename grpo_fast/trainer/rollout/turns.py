@@ -33,6 +33,7 @@ from grpo_fast.environments.protocol import EnvStep, as_messages
 from grpo_fast.tools import ChatTemplate, Tool, ToolTemplate, parse_tool_calls, run_concurrently, run_tool_calls
 from grpo_fast.tools.calls import truncate_middle
 from grpo_fast.trainer.rollout.engines import Turns
+from grpo_fast.trainer.sections import ToolConfig
 
 logger = logging.getLogger("grpo_fast")
 
@@ -45,18 +46,23 @@ def turn_loop(tokenizer, tools: list, environment, config) -> "TurnLoop | None":
         return None
     every = [*tools, *(environment.tools if environment is not None else [])]
     template = ToolTemplate(tokenizer, every) if every else ChatTemplate(tokenizer)
-    return TurnLoop(template, config, environment)
+    options = dict(system_prompt=config.system_prompt, pass_threshold=config.eval_pass_threshold)
+    return TurnLoop(template, config.tooling, environment, **options)
 
 
 class TurnLoop:
     """Makes each rollout's :class:`Episodes` (``loop(rows, G)``) for ``template`` (its tools: the
-    run's and the environment's), the run's ``config`` (max_tool_calling_iterations,
-    max_tool_response_tokens, tool_timeout_s, max_turns, environment_timeout_s, system_prompt,
-    eval_pass_threshold) and ``environment`` (an EnvironmentFactory, or None: tools alone), and
-    adds up the seconds the tools and the environments took, for the log line."""
+    run's and the environment's), the run's ``tooling`` section (the turns' and results' limits,
+    the timeouts) and ``environment`` (an EnvironmentFactory, or None: tools alone), and adds up
+    the seconds the tools and the environments took, for the log line. ``system_prompt`` starts
+    an environment's episodes that have none; an episode succeeds when its reward reaches
+    ``pass_threshold`` (the run's eval_pass_threshold)."""
 
-    def __init__(self, template, config, environment=None):
-        self.template, self.config, self.environment = template, config, environment
+    def __init__(
+        self, template, tooling: ToolConfig, environment=None, *, system_prompt=None, pass_threshold: float = 1.0
+    ):
+        self.template, self.tooling, self.environment = template, tooling, environment
+        self.system_prompt, self.pass_threshold = system_prompt, pass_threshold
         env_tools = {tool.name for tool in environment.tools} if environment else set()
         self.tools = {tool.name: tool for tool in template.tools if tool.name not in env_tools}  # the run's own
         self.tool_seconds = self.env_seconds = 0.0
@@ -74,7 +80,8 @@ class TurnLoop:
 
     def copy(self) -> "TurnLoop":
         """The same loop with its own seconds (the evaluation's are not the training step's)."""
-        return TurnLoop(self.template, self.config, self.environment)
+        options = dict(system_prompt=self.system_prompt, pass_threshold=self.pass_threshold)
+        return TurnLoop(self.template, self.tooling, self.environment, **options)
 
     def metrics(self) -> dict:
         """The tools' and environments' wall time since the last read (then reset)."""
@@ -93,7 +100,7 @@ class Episodes(Turns):
     episode of a row must start alike); None: the rows' own prompts."""
 
     def __init__(self, loop: TurnLoop, rows: list, group_size: int):
-        self.loop, self.template, self.config = loop, loop.template, loop.config
+        self.loop, self.template, self.tooling = loop, loop.template, loop.tooling
         self.tokenizer = self.template.tokenizer
         self.stop_token_ids = list(self.template.end_of_turn_ids)
         N = len(rows) * group_size
@@ -115,7 +122,7 @@ class Episodes(Turns):
     # ------------------------------------------------------------------ the engine's side
     def suffixes(self, rows: list, turns: list, room: list) -> list:
         parsed = [self._parse(turn) for turn in turns]  # (assistant message, its tool calls)
-        limit, max_turns = self.config.max_tool_calling_iterations, self.config.max_turns
+        limit, max_turns = self.tooling.max_tool_calling_iterations, self.tooling.max_turns
         last = [max_turns is not None and self.turns[row] + 1 >= max_turns for row in rows]  # no answer follows
         calling = [
             i
@@ -178,13 +185,13 @@ class Episodes(Turns):
         """``(tool_counts [N, 3] (calls, failed calls, turns) or None without tools, env_counts
         [N, 4] (turns, errors, successes, scored) or None without an environment)``, float32 (the
         log line's tools/* and env/* metrics): an episode succeeds when its reward reaches
-        eval_pass_threshold."""
+        the loop's pass_threshold."""
         assistant = [sum(m["role"] == "assistant" for m in messages) for messages in self.messages]
         tools = envs = None
         if self.template.tools:
             tools = torch.tensor(list(zip(self.calls, self.failures, assistant)), dtype=torch.float32)
         if self.envs is not None:
-            threshold = self.config.eval_pass_threshold
+            threshold = self.loop.pass_threshold
             scored = [r is not None for r in self.rewards]
             success = [r is not None and r >= threshold for r in self.rewards]
             envs = torch.tensor(list(zip(assistant, self.errors, success, scored)), dtype=torch.float32)
@@ -215,7 +222,7 @@ class Episodes(Turns):
         flat = [call for mine in calls for call in mine]
         tables = [self.tables[row] for row, mine in zip(rows, calls) for _ in mine]
         start = time.perf_counter()
-        results = run_tool_calls(flat, {}, timeout_s=self.config.tool_timeout_s, tables=tables) if flat else []
+        results = run_tool_calls(flat, {}, timeout_s=self.tooling.tool_timeout_s, tables=tables) if flat else []
         self.loop.tool_seconds += time.perf_counter() - start
         out = []
         for mine in calls:
@@ -224,7 +231,7 @@ class Episodes(Turns):
         return out
 
     def _truncated(self, observations: list) -> list:
-        cap = self.config.max_tool_response_tokens
+        cap = self.tooling.max_tool_response_tokens
         if cap is None:
             return observations
         return [{**m, "content": truncate_middle(m["content"], cap, self.tokenizer)} for m in observations]
@@ -238,7 +245,7 @@ class Episodes(Turns):
             name = f"{self.loop.environment.name}.{method}"
             jobs.append((Tool(name, function, {}, is_async=inspect.iscoroutinefunction(function)), kwargs))
         start = time.perf_counter()
-        outcomes = run_concurrently(jobs, timeout_s=self.config.environment_timeout_s) if jobs else []
+        outcomes = run_concurrently(jobs, timeout_s=self.tooling.environment_timeout_s) if jobs else []
         self.loop.env_seconds += time.perf_counter() - start
         values = []
         for row, (tool, _), outcome in zip(rows, jobs, outcomes):
@@ -272,7 +279,7 @@ class Episodes(Turns):
                 first = messages
             if first is None:  # every episode of the row failed: they end at their first turn
                 first = as_messages(row.get("prompt") or "", "the row's prompt")
-            system = self.config.system_prompt
+            system = self.loop.system_prompt
             if system is not None and first[0]["role"] != "system":
                 first = [{"role": "system", "content": system}, *first]
             prompts.append(self.template.prompt_text(first))
