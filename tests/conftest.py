@@ -29,6 +29,26 @@ from grpo_fast.bench.measure import rel_err  # noqa: E402, F401  (the tests' who
 # never fight over a core. Run without -n, a test has both.
 torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else min(2, os.cpu_count() or 1))
 
+# The modules whose tests take longest on 2 cores (pytest --durations=0, 2026-12-07), longest
+# first: they are collected first, so that under -n 2 --dist loadfile (a module a work unit,
+# handed out in collection order) neither worker ends the run alone on one of them.
+LONGEST_MODULES = (
+    "test_async_rollout.py",
+    "test_ops.py",
+    "test_real_models.py",
+    "test_vllm.py",
+    "test_faults.py",
+    "test_guess_number.py",
+    "test_distributed.py",
+    "test_gpu_script.py",
+    "test_integration_trl.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture
 def float64_norms(monkeypatch):
