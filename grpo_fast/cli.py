@@ -24,6 +24,7 @@ import dataclasses
 import io
 import logging
 import os
+import re
 import sys
 import types
 import typing
@@ -372,8 +373,16 @@ def main(argv=None) -> int:
             raise
         rank = os.environ.get("RANK")  # set by torchrun
         where = f" (rank {rank})" if rank is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-        print(f"grpo-fast: error{where}: {exc}", file=sys.stderr)
+        print(f"grpo-fast: error{where}: {exc}{_flag_of(str(exc))}", file=sys.stderr)
         return 2
+
+
+def _flag_of(message: str) -> str:
+    """`` (flag --name)`` when ``message`` starts with a config field's name (the config's
+    errors name the field first), else nothing."""
+    name = re.match(r"\w+", message)
+    fields = GRPOConfig.__dataclass_fields__
+    return f" (flag --{name[0].replace('_', '-')})" if name and name[0] in fields else ""
 
 
 if __name__ == "__main__":

@@ -65,17 +65,21 @@ def test_model_flag_trains_a_save_pretrained_folder(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, message, flag",
     [
-        (["-G", "1"], "group_size (G) must be an int >= 2"),
-        (["--batch-size", "12", "-G", "8"], "batch_size=12 must be divisible by group_size=8"),
-        (["--model", "/no/such/model"], "model path '/no/such/model' is not a directory"),
-        (["--reward-funcs", "no_such_reward"], "unknown reward function 'no_such_reward'"),
+        (["-G", "1"], "group_size (G) must be an int >= 2", " (flag --group-size)"),
+        (["--batch-size", "12", "-G", "8"], "batch_size=12 must be divisible by group_size=8", " (flag --batch-size)"),
+        (["--lr-schedule", "step"], "lr_schedule must be one of", " (flag --lr-schedule)"),
+        (["--model", "/no/such/model"], "model path '/no/such/model' is not a directory", " (flag --model)"),
+        (["--reward-funcs", "no_such_reward"], "unknown reward function 'no_such_reward'", ""),
     ],
 )
-def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, args, message):
+def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, args, message, flag):
+    """One line naming the setting; the flag too where the message starts with the field's name."""
     assert main(["train", "--output", str(tmp_path), "--no-progress", *args]) == 2
-    assert message in capsys.readouterr().err
+    line = capsys.readouterr().err.splitlines()[-1]  # after the run's first log lines, if it got that far
+    assert line.startswith("grpo-fast: error: ")
+    assert message in line and line.endswith(f"{flag}") and line.count("(flag --") == (flag != "")
 
 
 def test_an_unreachable_hub_model_is_one_clear_error_before_anything_loads(tmp_path):
