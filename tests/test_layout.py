@@ -20,7 +20,7 @@ PACKAGE = os.path.join(ROOT, "grpo_fast")
 # The trainer's core is config, choices, trl_names, runtime and distributed; each side's folder
 # says the same in its __init__ docstring.
 SIDES = ("grpo_fast.trainer.model", "grpo_fast.trainer.rollout", "grpo_fast.trainer.update", "grpo_fast.trainer.run")
-TOP = ("grpo_fast.trainer.grpo", "grpo_fast.trainer.ppo")
+TOP = ("grpo_fast.trainer.grpo",)
 CORE = tuple(
     f"grpo_fast.trainer.{name}" for name in ("config", "checks", "choices", "trl_names", "runtime", "distributed")
 )
