@@ -43,8 +43,9 @@ MODES = {
 RESUME_FROM = "sync"  # the resumed run repeats this mode's last 100 steps from a checkpoint
 PPO = """
 import sys
-from grpo_fast.trainer.ppo import PPOConfig, PPOTrainer
-trainer = PPOTrainer(PPOConfig(output_dir=sys.argv[1], steps=40, progress=False, seed=0))
+from grpo_fast.bench.ppo import PPO
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+trainer = GRPOTrainer(GRPOConfig(output_dir=sys.argv[1], steps=40, progress=False, seed=0), strategy=PPO())
 trainer.train()
 trainer.close()
 """

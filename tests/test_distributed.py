@@ -283,8 +283,8 @@ def test_compile_generation_under_fsdp_is_refused_before_the_model_loads(tmp_pat
 
 
 def test_under_torchrun_each_rank_has_its_own_gpu_and_ppo_is_refused(monkeypatch):
+    from grpo_fast.bench.ppo import PPO
     from grpo_fast.trainer.distributed import resolve_device
-    from grpo_fast.trainer.ppo import PPOConfig, PPOTrainer
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -295,4 +295,4 @@ def test_under_torchrun_each_rank_has_its_own_gpu_and_ppo_is_refused(monkeypatch
         resolve_device("cuda:0")
     # refused before a process group is joined or a model wrapped
     with pytest.raises(ValueError, match="the PPO baseline runs in one process"):
-        PPOTrainer(PPOConfig(device="cpu"))
+        GRPOTrainer(GRPOConfig(device="cpu"), strategy=PPO())

@@ -9,6 +9,7 @@ a submodule does not count as importing its package's names.
 
 import ast
 import os
+import re
 import sys
 
 import pytest
@@ -17,12 +18,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "grpo_fast")
 
 # Who may not import whom: (modules under this prefix, prefixes they must never import).
-# The trainer's core is config, choices, trl_names, runtime and distributed; each side's folder
+# The trainer's core is config, sections, checks, choices, trl_names, runtime and distributed; each side's folder
 # says the same in its __init__ docstring.
 SIDES = ("grpo_fast.trainer.model", "grpo_fast.trainer.rollout", "grpo_fast.trainer.update", "grpo_fast.trainer.run")
-TOP = ("grpo_fast.trainer.grpo", "grpo_fast.trainer.ppo")
+TOP = ("grpo_fast.trainer.grpo",)
 CORE = tuple(
-    f"grpo_fast.trainer.{name}" for name in ("config", "checks", "choices", "trl_names", "runtime", "distributed")
+    f"grpo_fast.trainer.{name}"
+    for name in ("config", "sections", "checks", "choices", "trl_names", "runtime", "distributed")
 )
 FORBIDDEN = [
     ("grpo_fast.kernels", ("grpo_fast.ops", "grpo_fast.trainer", "grpo_fast.reference")),
@@ -47,6 +49,10 @@ FORBIDDEN = [
 ]
 
 LIMITS = {"grpo_fast.trainer.grpo": 350}
+# The GRPO step: the trainer and the sides it runs a step with. A strategy (update/strategy.py)
+# is all it knows of how advantages are made; PPO's critic is one, in grpo_fast/bench/ppo.py.
+STEP = ("grpo_fast.trainer.grpo", "grpo_fast.trainer.update", "grpo_fast.trainer.run")
+PPO_WORDS = re.compile(r"(?<![a-z])ppo|ppo(?![a-z])|critic|value[ _](head|model)|\bgae\b", re.IGNORECASE)
 MAX_LINES = 500
 
 
@@ -136,6 +142,23 @@ def test_the_checks_see_the_imports_they_judge(graph):
     assert any(under(m, "grpo_fast.trainer.rollout") for m in graph) and all(
         under(prefix, "grpo_fast") for prefix, _ in FORBIDDEN
     )
+
+
+def test_the_grpo_step_names_no_ppo_concept(graph):
+    """Neither code nor comment of the step's modules names PPO or its critic, nor imports the
+    module that does ("supported" is no match; "PPOTrainer" and "ppo_kl" would be)."""
+    assert PPO_WORDS.search("PPOTrainer value_model ppo_kl") and not PPO_WORDS.search("unsupported")
+    step = [name for name in graph if any(under(name, prefix) for prefix in STEP)]
+    paths = module_files()
+    found = [
+        f"{name}:{number}: {line.strip()}"
+        for name in step
+        for number, line in enumerate(open(paths[name], encoding="utf-8"), 1)
+        if PPO_WORDS.search(line)
+    ]
+    found += [f"{name} imports {target}" for name in step for target in graph[name] if "ppo" in target]
+    assert "grpo_fast.trainer.update.strategy" in graph["grpo_fast.trainer.grpo"]
+    assert not found, "\n".join(found)
 
 
 def test_the_trainer_sides_are_folders_with_a_docstring_each():

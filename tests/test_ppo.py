@@ -1,6 +1,7 @@
-"""The PPO baseline: GAE and the clipped value loss against hand-computed numbers, the critic's
-shape and independence from the policy, that PPO learns the demo task, and that a killed PPO
-run resumes bit-exact."""
+"""The PPO baseline (``grpo_fast/bench/ppo.py``, a strategy of GRPO's step): GAE and the clipped
+value loss against hand-computed numbers, the critic's shape and independence from the policy,
+its refusals, that PPO learns the demo task, its checkpoint keys, and that a killed PPO run
+resumes bit-exact."""
 
 import os
 import signal
@@ -12,17 +13,9 @@ import pytest
 import torch
 import yaml
 
+from grpo_fast.bench.ppo import PPO, ValueModel, clipped_value_loss, gae, masked_whiten, terminal_rewards
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
-from grpo_fast.trainer import GRPOConfig, GRPOTrainer
-from grpo_fast.trainer.ppo import (
-    PPOConfig,
-    PPOTrainer,
-    ValueModel,
-    clipped_value_loss,
-    gae,
-    masked_whiten,
-    terminal_rewards,
-)
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer, grpo
 from grpo_fast.trainer.run import checkpoint as ckpt
 from grpo_fast.trainer.run.run_log import TIMING_KEYS, read_metrics
 
@@ -98,15 +91,37 @@ def test_value_model_is_a_separate_copy_of_the_policy_decoder():
     assert (values == 0).all()  # zero-initialised head
 
 
-def test_ppo_config_validation():
-    with pytest.raises(ValueError, match="gamma must be in"):
-        PPOConfig(gamma=1.5).validate()
-    with pytest.raises(ValueError, match="cliprange_value"):
-        PPOConfig(cliprange_value=0.0).validate()
-    with pytest.raises(ValueError, match="lora_r must be 0"):
-        PPOConfig(lora_r=4).validate()
-    with pytest.raises(TypeError, match="config must be a PPOConfig"):
-        PPOTrainer(GRPOConfig())
+def test_ppo_options_are_validated():
+    with pytest.raises(ValueError, match=r"gamma must be in \[0, 1\], got 1.5"):
+        PPO(gamma=1.5)
+    with pytest.raises(ValueError, match=r"lam must be in \[0, 1\], got -0.1"):
+        PPO(lam=-0.1)
+    with pytest.raises(ValueError, match="cliprange_value must be > 0, got 0.0"):
+        PPO(cliprange_value=0.0)
+    with pytest.raises(ValueError, match="value_learning_rate must be > 0 or None, got 0"):
+        PPO(value_learning_rate=0)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(lora_r=4), "trains full models: lora_r must be 0"),
+        (dict(max_staleness=1), "samples synchronously: max_staleness must be 0"),
+        (dict(tools=["calculator"]), "runs single-turn rollouts: tools need GRPO's own strategy"),
+    ],
+)
+def test_ppo_refuses_runs_it_cannot_serve_before_anything_loads(monkeypatch, options, message):
+    def started(*args, **kwargs):
+        raise AssertionError("the run started before the strategy refused it")
+
+    monkeypatch.setattr(grpo.Runtime, "start", started)
+    with pytest.raises(ValueError, match=message):
+        GRPOTrainer(GRPOConfig(**options), strategy=PPO())
+
+
+def test_a_strategy_must_be_one():
+    with pytest.raises(TypeError, match="strategy must be a Strategy, got dict"):
+        GRPOTrainer(GRPOConfig(), strategy={"gamma": 1.0})
 
 
 @pytest.fixture
@@ -120,7 +135,7 @@ def one_thread():
 
 def test_ppo_learns_the_demo_task(tmp_path, one_thread):
     # The demo task with a batch and learning rate at which 20 steps show the rise.
-    config = PPOConfig(
+    config = GRPOConfig(
         steps=20,
         batch_size=64,
         group_size=8,
@@ -130,7 +145,7 @@ def test_ppo_learns_the_demo_task(tmp_path, one_thread):
         save_every=0,
         output_dir=str(tmp_path),
     )
-    trainer = PPOTrainer(config)
+    trainer = GRPOTrainer(config, strategy=PPO())
     history = [trainer.train_step() for _ in range(config.steps)]
     first = sum(m["reward_mean"] for m in history[:3]) / 3
     last = sum(m["reward_mean"] for m in history[-3:]) / 3
@@ -144,7 +159,8 @@ KILLED_RUN = """
 import functools, os, sys, time
 import torch
 from grpo_fast.tasks.arithmetic import arithmetic_reward
-from grpo_fast.trainer.ppo import PPOConfig, PPOTrainer
+from grpo_fast.bench.ppo import PPO
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 
 calls = []
 
@@ -157,7 +173,7 @@ def pausing(prompts, completions, **columns):
     return arithmetic_reward(prompts, completions, **columns)
 
 torch.set_num_threads(int(os.environ["THREADS"]))
-PPOTrainer(PPOConfig.from_yaml(sys.argv[1]), reward_funcs=[pausing]).train()
+GRPOTrainer(GRPOConfig.from_yaml(sys.argv[1]), reward_funcs=[pausing], strategy=PPO(value_learning_rate=3e-3)).train()
 """
 
 
@@ -169,12 +185,16 @@ def test_ppo_resumes_bit_exact_after_kill_9(tmp_path):
     options = dict(
         steps=6, save_every=2, keep_checkpoints=3, batch_size=16, group_size=4, max_new_tokens=3, progress=False
     )
-    options.update(lr_schedule="cosine", num_iterations=2, beta=0.05, value_learning_rate=3e-3)
-    full = PPOTrainer(PPOConfig(**options, output_dir=str(tmp_path / "full"))).train()
+    options.update(lr_schedule="cosine", num_iterations=2, beta=0.05)
+
+    def ppo(output_dir: str) -> GRPOTrainer:
+        return GRPOTrainer(GRPOConfig(**options, output_dir=output_dir), strategy=PPO(value_learning_rate=3e-3))
+
+    full = ppo(str(tmp_path / "full")).train()
     assert len({m["value_loss"] for m in full}) > 1  # the compared critic metrics do vary
 
     cut = str(tmp_path / "cut")
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(PPOConfig(**options, output_dir=cut).to_dict()))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(GRPOConfig(**options, output_dir=cut).to_dict()))
     paused = tmp_path / "paused"
     env = dict(os.environ, PAUSE="4", PAUSED=str(paused), THREADS=str(torch.get_num_threads()))
     proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(tmp_path / "run.yaml")], env=env)
@@ -189,7 +209,7 @@ def test_ppo_resumes_bit_exact_after_kill_9(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert ckpt.latest_checkpoint(cut) == ckpt.checkpoint_path(cut, 4)
 
-    resumed = PPOTrainer(PPOConfig(**options, output_dir=cut))
+    resumed = ppo(cut)
     assert resumed.resume() == 4
     resumed.train()
     drop = set(TIMING_KEYS)
@@ -202,4 +222,32 @@ def test_ppo_refuses_a_checkpoint_without_its_critic(tmp_path):
     options = dict(steps=1, batch_size=8, group_size=4, max_new_tokens=2, progress=False, output_dir=str(tmp_path))
     GRPOTrainer(GRPOConfig(**options)).train()
     with pytest.raises(ckpt.CheckpointError, match="does not match the value model: missing"):
-        PPOTrainer(PPOConfig(**options)).resume()
+        GRPOTrainer(GRPOConfig(**options), strategy=PPO()).resume()
+
+
+def test_ppo_checkpoints_keep_the_keys_ppo_trainer_wrote(tmp_path):
+    """The critic is stored as PPOTrainer stored it before PPO became a strategy (the part
+    "value": value.model.*, value.optimizer.*, value_scheduler in trainer.pt), so that its
+    checkpoints still load; every stored tensor is the policy's or the critic's."""
+    import torch.distributed.checkpoint as dcp
+
+    options = dict(steps=1, batch_size=8, group_size=4, max_new_tokens=2, progress=False, output_dir=str(tmp_path))
+    trainer = GRPOTrainer(GRPOConfig(**options), strategy=PPO())
+    trainer.train()
+    path = ckpt.latest_checkpoint(str(tmp_path))
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    critic = {name[len("value.model.") :] for name in stored if name.startswith("value.model.")}
+    assert critic == {name for name, _ in trainer.strategy.value.module.named_parameters()}
+    assert any(name.startswith("value.optimizer.state.") for name in stored)
+    assert all(name.split(".")[0] in ("model", "optimizer", "value") for name in stored), sorted(stored)
+    state = torch.load(os.path.join(path, ckpt.TRAINER_STATE), weights_only=False)
+    assert state["value_scheduler"]["last_epoch"] == state["scheduler"]["last_epoch"] == 1
+
+
+def test_one_ppo_trains_one_trainers_critic(tmp_path):
+    """A second trainer handed the same PPO would take over the first one's critic: refused."""
+    config = GRPOConfig(batch_size=8, group_size=4, max_new_tokens=2, progress=False, output_dir=str(tmp_path))
+    strategy = PPO()
+    GRPOTrainer(config, strategy=strategy)
+    with pytest.raises(ValueError, match="this PPO already trains a critic for another trainer"):
+        GRPOTrainer(config, strategy=strategy)

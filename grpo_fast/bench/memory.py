@@ -10,7 +10,8 @@ sampling: reference log-probs when beta != 0, the critic's values and GAE for PP
 advantages for GRPO, forward, loss, backward, gradient clipping, AdamW step) on the same
 synthetic rollout batch, in its own fresh process:
 
-    ppo                policy + value model (PPOTrainer; fused ops on the policy side)
+    ppo                policy + value model (GRPOTrainer with the PPO strategy, ``ppo.py``; fused
+                       ops on the policy side)
     grpo_eager         GRPOTrainer with the reference loss on full logits (GRPO_FAST_BACKEND=reference)
     grpo_fused         GRPOTrainer with grpo_fast.grpo_loss
     grpo_fused_linear  GRPOTrainer with grpo_fast.fused_linear_grpo_loss (no [B, T, V] logits)

@@ -83,8 +83,8 @@ def worker(spec: dict) -> dict:
     import torch
 
     from grpo_fast.bench.measure import current_rss_bytes, peak_rss_bytes, time_fn
+    from grpo_fast.bench.ppo import PPO
     from grpo_fast.trainer import GRPOConfig, GRPOTrainer, distributed
-    from grpo_fast.trainer.ppo import PPOConfig, PPOTrainer
 
     processes = spec["jobs"] * spec.get("nproc", 1)
     if processes > 1:  # processes side by side share the cores instead of oversubscribing them
@@ -109,8 +109,10 @@ def worker(spec: dict) -> dict:
         parallel=spec.get("parallel", "ddp"),
         progress=False,
     )
-    config_cls, trainer_cls = (PPOConfig, PPOTrainer) if name == "ppo" else (GRPOConfig, GRPOTrainer)
-    trainer = trainer_cls(config_cls(**options), model=policy, tokenizer=_TOKENIZER_NOT_USED, rows=[{"prompt": ""}])
+    strategy = PPO() if name == "ppo" else None  # GRPO's own by default
+    trainer = GRPOTrainer(
+        GRPOConfig(**options), model=policy, tokenizer=_TOKENIZER_NOT_USED, rows=[{"prompt": ""}], strategy=strategy
+    )
     ranks = trainer.runtime.ranks
     trainer.source = _fixed_source(_synthetic_batch(N, P, C, V, device), ranks)
 
@@ -124,10 +126,10 @@ def worker(spec: dict) -> dict:
     trainable = [p for p in trainer.policy.parameters() if p.requires_grad]
     held = list(trainer.policy.parameters())
     optimizers = [trainer.optimizer]
-    if name == "ppo":
-        trainable += list(trainer.value_model.parameters())
-        held += list(trainer.value_model.parameters())
-        optimizers.append(trainer.value_optimizer)
+    for part in trainer.strategy.parts().values():  # PPO's critic
+        trainable += list(part.module.parameters())
+        held += list(part.module.parameters())
+        optimizers.append(part.optimizer)
     if trainer.reference is not None and trainer.reference is not trainer.policy:
         held += list(trainer.reference.parameters())
     optimizer_states = [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]

@@ -8,10 +8,9 @@
     log line: one host read                                                      update/metrics.py
 
 The run around it (trackers, evaluation, completions, checkpoints, plot) is ``run/``; the models
-it trains are built by ``model/build.py``. The PPO baseline (``ppo.py``) extends the step through
-the hooks :meth:`~GRPOTrainer.prepare`, :meth:`~GRPOTrainer.accumulate_gradients`,
-:meth:`~GRPOTrainer.optimizer_step`, :meth:`~GRPOTrainer.extra_metrics` and
-:meth:`~GRPOTrainer.trained_parts`, and its batch's ``loss_advantages``.
+it trains are built by ``model/build.py``. Where the loss's advantages come from, and what trains
+beside the policy, is the run's :class:`~grpo_fast.trainer.update.strategy.Strategy` (GRPO's by
+default: group advantages, the policy alone), which the step calls at its stages.
 
 Choices: the loss's options are one :class:`grpo_fast.LossConfig` built once from the config;
 its temperature is the sampling temperature (the log-probs are those of the distribution that
@@ -56,6 +55,7 @@ from grpo_fast.trainer.update.batch import StepBatch, batch_fields
 from grpo_fast.trainer.update.metrics import PhaseClock, log_line
 from grpo_fast.trainer.update.optimization import adamw, clipped_step, lr_scheduler
 from grpo_fast.trainer.update.passes import PassResult, Proximal, accumulate, corrects
+from grpo_fast.trainer.update.strategy import Strategy
 
 
 class StepResult(NamedTuple):
@@ -84,6 +84,8 @@ class GRPOTrainer:
         tools: callables or names the model may call (default: ``config.tools``).
         environment: the episodes' environment: a class (ours, or TRL's ``environment_factory``)
             or a name (default: ``config.environment``).
+        strategy: where the advantages come from and what trains beside the policy (default:
+            GRPO's, :class:`~grpo_fast.trainer.update.strategy.Strategy`).
     """
 
     def __init__(
@@ -96,9 +98,14 @@ class GRPOTrainer:
         reward_funcs=None,
         tools=None,
         environment=None,
+        strategy: Strategy | None = None,
     ):
         config.validate()
         config.check_tools(tools)
+        self.strategy = Strategy() if strategy is None else strategy
+        if not isinstance(self.strategy, Strategy):
+            raise TypeError(f"strategy must be a Strategy, got {type(strategy).__name__}")
+        self.strategy.check(config, tools)
         # tools and the environment refused before anything loads, the chat template before the model
         self.tools = resolve_tools(tools if tools is not None else config.tools)
         self.environment = load_environment(environment if environment is not None else config.environment)
@@ -112,8 +119,7 @@ class GRPOTrainer:
         self.runtime = runtime = Runtime.start(config)
         runtime.log(config.precision)
         ranks = runtime.ranks
-        prompts = config.rollout.prompts_per_step
-        if prompts % ranks.world_size:
+        if (prompts := config.rollout.prompts_per_step) % ranks.world_size:
             raise ValueError(
                 f"batch_size={config.batch_size} gives {prompts} prompts per step (batch_size / "
                 f"group_size), which must be divisible by the world size {ranks.world_size}: each rank samples "
@@ -141,7 +147,7 @@ class GRPOTrainer:
         self.reward_funcs, self.reward_names = resolve_rewards(
             reward_funcs or config.reward_funcs, config.dataset, config.task, self.environment is not None
         )
-        self.data = DataOrder(self.rows, config.seed, config.rollout.prompts_per_step, ranks)
+        self.data = DataOrder(self.rows, config.seed, prompts, ranks)
         self.source = self._make_source()
         self.evaluator = None
         if config.eval_every or config.eval_dataset is not None:
@@ -159,6 +165,7 @@ class GRPOTrainer:
         self.history: list = []
         if ranks.rank:  # the model is built alike everywhere; the Hugging Face engine must not draw alike
             set_seed(config.seed + ranks.rank)
+        self.strategy.attach(self)
 
     def _check_template(self, tokenizer) -> None:
         """With tools or an environment: the tokenizer's chat template must be prefix-preserving
@@ -238,10 +245,9 @@ class GRPOTrainer:
         # 3. the passes: backward over the micro-batches, optimizer step, the new weights to
         #    the source. The first runs at the weights the step starts with: its log-probs are
         #    the proximal policy's, which the later passes and the sampling correction read.
-        passes, proximal = [], None
+        passes, proximal, correction = [], None, self.config.async_.correction_options()
         for _ in range(self.config.num_iterations if batch.stats is not None else 0):
             result = self.accumulate_gradients(batch, proximal)
-            correction = self.config.async_.correction_options()
             proximal = proximal or Proximal.of(result, batch, correction, self.runtime.ranks)
             passes.append(dict(result.metrics, **self.optimizer_step(result.metrics["loss"])))
             self.source.publish(self.policy, self.version + len(passes))
@@ -255,7 +261,7 @@ class GRPOTrainer:
             clock,
             self.runtime,
             learning_rate=self.scheduler.get_last_lr()[0],
-            extra=dict(self.source.metrics(), **(self.extra_metrics(batch) if passes else {})),
+            extra=dict(self.source.metrics(), **(self.strategy.metrics(batch) if passes else {})),
             sampling=proximal.metrics if proximal else {},
             dynamic_sampling=self.config.dynamic_sampling,
             reward_names=self.reward_names,
@@ -263,40 +269,35 @@ class GRPOTrainer:
         return StepResult(metrics, batch)
 
     def prepare(self, samples: Samples) -> StepBatch:
-        """The step's batch, built once (``update/batch.py``)."""
-        return StepBatch(**self.batch_fields(samples))
-
-    def batch_fields(self, samples: Samples) -> dict:
-        """The fields of the step's :class:`StepBatch` (a subclass's ``prepare`` may change them
-        before it builds its batch)."""
-        return batch_fields(samples, self.config, self.modules, self.policy, self.reference, self.runtime)
+        """The step's batch, built once (``update/batch.py``), with the strategy's advantages."""
+        batch = StepBatch(**batch_fields(samples, self.config, self.modules, self.policy, self.reference, self.runtime))
+        return batch if batch.stats is None else self.strategy.prepare(batch)
 
     def accumulate_gradients(self, batch: StepBatch, proximal: Proximal | None) -> PassResult:
-        """One pass's backward over the batch (``passes.accumulate``); the first (``proximal``
-        None) records its log-probs where a later pass or the sampling correction needs them."""
+        """One pass's backward over the batch (``passes.accumulate``), then the strategy's own
+        loss term's; the first (``proximal`` None) records its log-probs where a later pass or
+        the sampling correction needs them."""
         record = proximal is None and (
             self.config.num_iterations > 1 or corrects(batch.samples, self.config.async_.correction_options())
         )
-        return accumulate(self.modules, batch, proximal, self.config, self.runtime.ranks, record)
+        result = accumulate(self.modules, batch, proximal, self.config, self.runtime.ranks, record)
+        result.metrics.update(self.strategy.backward(batch))
+        return result
 
     def optimizer_step(self, loss) -> dict:
-        """Clips the gradient norm, steps the optimizer and the schedule, clears the gradients;
-        a non-finite ``loss`` (this rank's share, summed over ranks here) or gradient norm skips
-        the update. Returns the gradient norm and the skip as device tensors (read with the
-        step's metrics)."""
+        """Clips the gradient norm, steps the optimizer and the schedule, clears the gradients: the
+        strategy's parts', each alone, then the policy's. A non-finite ``loss`` (this rank's share,
+        summed over ranks here) or gradient norm skips the policy's update, a part's norm its own.
+        Returns the gradient norms and the skip as device tensors (read with the step's metrics)."""
+        max_norm = self.config.max_grad_norm
+        parts = {
+            f"{name}_grad_norm": clipped_step(part.optimizer, part.scheduler, max_norm)["grad_norm"]
+            for name, part in self.strategy.parts().items()
+        }
         loss = self.runtime.ranks.sum(torch.as_tensor(loss, dtype=torch.float32, device=self.runtime.device))
-        return clipped_step(self.optimizer, self.scheduler, self.config.max_grad_norm, loss)
-
-    def extra_metrics(self, batch: StepBatch) -> dict:
-        """More of the step's log line (the PPO baseline adds the critic's)."""
-        return {}
+        return dict(clipped_step(self.optimizer, self.scheduler, max_norm, loss), **parts)
 
     # ---------------------------------------------------------------- checkpoints
-    def trained_parts(self) -> dict:
-        """The trained modules beside the policy, ``{name: (model, optimizer, scheduler)}``,
-        that a checkpoint holds under their names (the PPO baseline's critic)."""
-        return {}
-
     def save_checkpoint(self) -> str:
         """Writes the step's checkpoint (every rank its shards; ``run/checkpoint.py``)."""
         return checkpoint.save_trainer(self)

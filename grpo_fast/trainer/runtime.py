@@ -2,8 +2,9 @@
 
 One :class:`Runtime` is built when a trainer starts (:meth:`Runtime.start`) and handed to
 everything that runs the model: the packed passes (training, reference, old log-probs), the
-engines (sampler, hf, vllm), the evaluation, the PPO critic, the rollout worker (which builds
-its own for the device it samples on). Weights, gradients and optimizer states stay float32.
+engines (sampler, hf, vllm), the evaluation, a strategy's own models, the rollout worker (which
+builds its own for the device it samples on). Weights, gradients and optimizer states stay
+float32.
 
 What ``--precision`` means is decided here, once per device (:func:`decide_precision`), and
 every forward reads that decision:

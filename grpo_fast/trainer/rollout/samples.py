@@ -1,9 +1,9 @@
 """Samples: G sampled completions per prompt with their rewards, what a rollout source returns.
 
-Shared by the GRPO trainer, the PPO baseline and the evaluation: each samples with a
-generation engine (``rollout/engines/``) and scores with :func:`score`;
-dynamic sampling keeps only the groups that carry a signal (:func:`groups_with_signal`,
-:func:`select_groups`, :func:`concat_samples`). What the trainer makes of samples (advantages,
+Shared by the trainer and the evaluation: each samples with a generation engine
+(``rollout/engines/``) and scores with :func:`score`; dynamic sampling keeps only the groups
+that carry a signal (:func:`groups_with_signal`, :func:`select_groups`,
+:func:`concat_samples`). What the trainer makes of samples (advantages,
 reference log-probs, packed micro-batches) is the step's batch (``update/batch.py``).
 
 Sequence layout, N = num_prompts * G rows (see :class:`~grpo_fast.trainer.rollout.engines.Generation`):

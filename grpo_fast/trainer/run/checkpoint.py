@@ -4,8 +4,8 @@
         .metadata, __0_0.distcp, ...   the trainable weights and AdamW states, by name
                                        (torch.distributed.checkpoint: each rank writes its
                                        shards, a replicated tensor once): the policy's as
-                                       model.* and optimizer.*, another trained module's (the
-                                       PPO baseline's critic) under its own name
+                                       model.* and optimizer.*, each part the run's strategy
+                                       trains beside it under the part's name
         trainer.pt                     step, data position, LR schedules, config (rank 0)
         rng-0.pt, rng-1.pt, ...        each rank's RNG states
         manifest.json                  every other file's size and CRC-32s (rank 0, in the background)
@@ -392,18 +392,18 @@ def full_model_state(model) -> dict:
 
 # ----------------------------------------------------------------------------- a trainer's
 def save_trainer(trainer) -> str:
-    """Writes ``trainer``'s checkpoint of its step: the policy and its optimizer, every other
-    trained part (``trainer.trained_parts()``: the PPO critic) under its name, the step, the
-    data position, the LR schedules and the config (every rank its shards)."""
-    parts = trainer.trained_parts()
+    """Writes ``trainer``'s checkpoint of its step: the policy and its optimizer, every part its
+    strategy trains beside it (``trainer.strategy.parts()``) under the part's name, the step,
+    the data position, the LR schedules and the config (every rank its shards)."""
+    parts = trainer.strategy.parts()
     state = dict(
         step=trainer.step,
         data_position=trainer.data_position,
         scheduler=schedule_state(trainer.scheduler),
         config=trainer.config.to_dict(),
-        **{f"{name}_scheduler": schedule_state(scheduler) for name, (_, _, scheduler) in parts.items()},
+        **{f"{name}_scheduler": schedule_state(part.scheduler) for name, part in parts.items()},
     )
-    more = {name: part[:2] for name, part in parts.items()}
+    more = {name: (part.module, part.optimizer) for name, part in parts.items()}
     ranks, keep = trainer.runtime.ranks, trainer.config.keep_checkpoints
     return save_checkpoint(trainer.output_dir, state, trainer.policy, trainer.optimizer, ranks, keep=keep, more=more)
 
@@ -412,12 +412,12 @@ def load_trainer(trainer, path: str, verified: bool = False) -> dict:
     """Restores what :func:`save_trainer` wrote into ``trainer`` (weights, optimizers, LR
     schedules, RNG states, step and data position); returns the checkpoint's state.
     ``verified``: its manifest is already checked (:func:`load_checkpoint`)."""
-    parts = trainer.trained_parts()
-    more = {name: part[:2] for name, part in parts.items()}
+    parts = trainer.strategy.parts()
+    more = {name: (part.module, part.optimizer) for name, part in parts.items()}
     state = load_checkpoint(path, trainer.policy, trainer.optimizer, trainer.runtime.ranks, more, verified)
     load_schedule_state(trainer.scheduler, state["scheduler"])
-    for name, (_, _, scheduler) in parts.items():
-        load_schedule_state(scheduler, state[f"{name}_scheduler"])
+    for name, part in parts.items():
+        load_schedule_state(part.scheduler, state[f"{name}_scheduler"])
     trainer.step, trainer.data_position = state["step"], state["data_position"]
     return state
 

@@ -71,7 +71,7 @@ class Preemption:
         config = trainer.config
         self.trainer, self.grace = trainer, config.preemption_grace_s
         self.signals = [signal.Signals[name] for name in config.preemption_signals]
-        self.optimizers = [trainer.optimizer, *(part[1] for part in trainer.trained_parts().values())]
+        self.optimizers = [trainer.optimizer, *(part.optimizer for part in trainer.strategy.parts().values())]
         self.received = 0  # the first preemption signal this process took (0: none)
         self.dropped = False
         self._agreed = 0  # the largest signal number any rank took, after requested()

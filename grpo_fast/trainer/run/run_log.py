@@ -96,8 +96,8 @@ def completions_path(output_dir: str) -> str:
 def completion_rows(batch, step: int, reward_names: list, max_rows: int = COMPLETION_ROWS) -> list:
     """Up to ``max_rows`` rows of a step's batch (``step.StepBatch``, with advantages), spread
     evenly over its groups: ``{"step", "prompt", "completion", "reward", <each reward
-    function>, "advantage"}`` (a per-token advantage [N, C], PPO's, as its mean over the
-    completion's tokens; None for NaN)."""
+    function>, "advantage"}`` (per-token advantages [N, C], a strategy's, as their mean over
+    the completion's tokens; None for NaN)."""
     advantages, samples = batch.advantages, batch.samples
     if advantages.dim() == 2:
         mask = batch.completion_mask.to(advantages.device)

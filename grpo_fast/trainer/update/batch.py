@@ -29,16 +29,16 @@ class StepBatch:
     micro_batches: this rank's rows packed (``packing.Packed`` each), cut once.
     completion_mask: [N, C] the tokens the loss counts: the model's sampled tokens, 0 on
         padding and on tool-result tokens (a multi-turn completion's tools' output, which the
-        attention mask keeps as context: packing reads that); the PPO baseline leaves unscored
-        completions out. Every count of the loss (its normalisers, per-sequence means, KL,
+        attention mask keeps as context: packing reads that); a strategy may narrow it
+        (``update/strategy.py``). Every count of the loss (its normalisers, per-sequence means, KL,
         entropy, the sampling correction) and the logged completion length read it.
     scores: [N_global, 2 + K] every rank's [combined reward, completion length, each reward]
         rows, gathered once (the log line's); the combined reward is NaN where unscored.
     stats: this rank's rows' :class:`GroupAdvantages` (advantages [N], combined rewards [N],
         its groups' mean and std, the batch's frac_zero_std); None when no rank has a row
         (dynamic sampling kept none): the step makes no update.
-    advantages: [N], one per sequence; None as ``stats`` (a subclass may hold other shapes and
-        say how the loss reads them: :meth:`loss_advantages`).
+    advantages: what the loss reads: [N], one per sequence (the group advantages, unless the
+        run's strategy prepared others), or [N, C], one per completion token; None as ``stats``.
     ref_logprobs: [N, C] the reference's log-probs of the completions, or None (beta = 0).
     num_items: the active-token count of every rank's rows (a 0-dim tensor).
     """
@@ -52,16 +52,11 @@ class StepBatch:
     ref_logprobs: torch.Tensor | None
     num_items: torch.Tensor
 
-    def loss_advantages(self, packed) -> torch.Tensor:
-        """The advantages the loss reads for micro-batch ``packed`` (its rows ``packed.rows``):
-        [n, 1], each sequence's, broadcast over its tokens."""
-        return self.advantages[packed.rows].unsqueeze(1)
-
 
 def scores_and_advantages(samples: Samples, config, ranks, device: torch.device) -> tuple:
     """``(scores [N_global, 2 + K], this rank's GroupAdvantages on device or None)``: GRPO's
-    critic-free advantages, each reward relative to its group's. They are computed from every
-    rank's rewards [N_global, K] (a few numbers a row; a group never spans ranks, but
+    advantages, each reward relative to its group's (no learned baseline). They are computed
+    from every rank's rewards [N_global, K] (a few numbers a row; a group never spans ranks, but
     scale="batch" and the logged statistics are the global batch's); this rank keeps its rows.
     None when no rank has a row."""
     G, N = config.group_size, samples.rewards.shape[0]

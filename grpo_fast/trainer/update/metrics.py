@@ -122,7 +122,7 @@ def log_line(
     Args:
         batch: the step's :class:`~grpo_fast.trainer.update.batch.StepBatch`.
         passes: each pass's metrics (device tensors).
-        extra: the source's and the trainer's own metrics (staleness, waits, the critic's).
+        extra: the source's and the strategy's metrics (staleness, waits; ``update/strategy.py``).
         sampling: the sampling correction's metrics (device tensors), or {}.
     """
     ranks, table = runtime.ranks, batch.scores  # [N_global, 2 + K]: combined reward, length, each reward

@@ -1,5 +1,6 @@
 """AdamW with the run's learning-rate schedule, and one clipped optimizer step: the policy's and
-the PPO critic's alike. A step whose loss or gradient norm is not finite is skipped."""
+those of the parts a strategy trains beside it alike. A step whose loss or gradient norm is not
+finite is skipped."""
 
 import math
 import warnings

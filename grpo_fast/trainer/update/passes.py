@@ -166,16 +166,18 @@ def accumulate(modules, batch: StepBatch, proximal: Proximal | None, config, ran
 
 def loss_inputs(batch: StepBatch, packed, proximal: Proximal | None, num_iterations: int, num_items) -> LossInputs:
     """The loss's per-token inputs of one packed micro-batch, gathered from the batch's [N, C]
-    grids to its flat tokens [Nc]: advantages, mask, old log-probs (the proximal ones when the
-    step makes several passes), reference log-probs, the correction's weights."""
+    grids to its flat tokens [Nc]: advantages (a sequence's [N] as [n, 1], broadcast over its
+    tokens), mask, old log-probs (the proximal ones when the step makes several passes),
+    reference log-probs, the correction's weights."""
     rows, (row, col) = packed.rows, packed.grid
 
     def tokens(x):  # [n, C] -> [Nc]
         return None if x is None else x[rows][row, col]
 
     old = proximal.logprobs if proximal is not None and num_iterations > 1 else None
+    advantages = batch.advantages
     return LossInputs(
-        batch.loss_advantages(packed),
+        tokens(advantages) if advantages.dim() == 2 else advantages[rows].unsqueeze(1),
         tokens(batch.completion_mask),
         tokens(old),
         tokens(batch.ref_logprobs),

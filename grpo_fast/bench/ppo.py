@@ -1,6 +1,6 @@
-"""PPOTrainer: the critic baseline that GRPO is measured against.
+"""PPO: the critic baseline that GRPO is measured against, as a strategy of GRPO's step.
 
-GRPO's step (``GRPOTrainer.run_step``) with four of its hooks extended:
+    GRPOTrainer(config, strategy=PPO())       the GRPO trainer's step, the critic's strategy:
 
     for step:
         samples  <- the GRPO trainer's source: G samples per prompt, rewards
@@ -9,13 +9,16 @@ GRPO's step (``GRPOTrainer.run_step``) with four of its hooks extended:
             rewards  <- the sequence reward on each completion's last token          # (N, C)
             A, R     <- GAE(rewards, values; gamma, lambda); A whitened over active tokens
         for iteration in range(num_iterations):
-            accumulate_gradients:
+            backward:
                 policy: GRPO's own packed micro-batches, the loss on the completion tokens'
                         log-probs with A [N, C] (policy_loss, or the fused LM head)
                 critic, per padded micro-batch of micro_batch_size rows:
                         clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2)
-            optimizer_step: clip and step each model with its own AdamW
-        extra_metrics: the critic's mean value
+            optimizer steps: the critic's part with its own AdamW, then the policy's
+        metrics: the critic's mean value
+
+It serves the benchmarks (``grpo-fast bench memory``, ``benchmarks/demo_metrics.py``), not
+training: GRPO's step knows it only as a :class:`~grpo_fast.trainer.update.strategy.Strategy`.
 
 Choices, so that PPO and GRPO differ only in where the advantages come from: the same
 rollout, reward path, policy loss and options (loss_type, clipping, micro-batching); the
@@ -24,48 +27,21 @@ not a per-token reward penalty. The value model is the policy's decoder (a copy:
 architecture, same starting weights) with a zero-initialised scalar head, trained by its
 own optimizer with its own learning rate. A completion that no reward function scored is
 masked out of both losses. Checkpoints hold the critic, its optimizer and LR schedule beside
-the policy's, so a PPO run resumes exactly as a GRPO run does; it runs in one process (no
-torchrun).
+the policy's (the part ``value``), so a PPO run resumes exactly as a GRPO run does; it runs
+in one process (no torchrun).
 """
 
 import copy
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
-from grpo_fast.spec import option
 from grpo_fast.trainer import distributed
-from grpo_fast.trainer.config import GRPOConfig
-from grpo_fast.trainer.grpo import GRPOTrainer
 from grpo_fast.trainer.rollout.engines import position_ids
 from grpo_fast.trainer.rollout.samples import Samples
 from grpo_fast.trainer.update.batch import StepBatch
-from grpo_fast.trainer.update.optimization import adamw, clipped_step, lr_scheduler
-from grpo_fast.trainer.update.passes import PassResult
-
-
-@dataclass
-class PPOConfig(GRPOConfig):
-    """A PPO run: every :class:`GRPOConfig` key plus the critic's."""
-
-    gamma: float = option(1.0, "discount over completion tokens")
-    lam: float = option(0.95, "GAE lambda")
-    cliprange_value: float = option(0.2, "the value may move at most this far from its rollout value")
-    value_learning_rate: float | None = option(None, "the critic's learning rate; None = learning_rate")
-    whiten_advantages: bool = option(True, "normalise the advantages over active tokens")
-
-    def validate(self) -> None:
-        super().validate()
-        for name in ("gamma", "lam"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
-        if not self.cliprange_value > 0:
-            raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value!r}")
-        if self.value_learning_rate is not None and not self.value_learning_rate > 0:
-            raise ValueError(f"value_learning_rate must be > 0 or None, got {self.value_learning_rate!r}")
-        if self.lora_r > 0:
-            raise ValueError("the PPO baseline trains full models: lora_r must be 0")
+from grpo_fast.trainer.update.optimization import adamw, lr_scheduler
+from grpo_fast.trainer.update.strategy import Strategy, TrainedPart
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95):
@@ -127,17 +103,12 @@ def clipped_value_loss(values, old_values, returns, mask, cliprange: float):
     return 0.5 * (loss * m).sum(), clip_count
 
 
-@dataclass
+@dataclasses.dataclass
 class PPOBatch(StepBatch):
     """A step's batch with the critic's view: its values at sampling time and the GAE returns."""
 
     old_values: torch.Tensor | None = None  # [N, C]
     returns: torch.Tensor | None = None  # [N, C]
-
-    def loss_advantages(self, packed) -> torch.Tensor:
-        """GAE's per-token advantages [N, C] gathered to the micro-batch's flat tokens [Nc]."""
-        row, col = packed.grid
-        return self.advantages[packed.rows][row, col]
 
 
 class ValueModel(torch.nn.Module):
@@ -160,28 +131,59 @@ class ValueModel(torch.nn.Module):
         return self.head(out.last_hidden_state[:, -C - 1 : -1]).squeeze(-1).float()
 
 
-class PPOTrainer(GRPOTrainer):
-    """PPO with a value model on the GRPO trainer's rollout, data and policy loss.
+@dataclasses.dataclass
+class PPO(Strategy):
+    """PPO's advantages (GAE from a value model) and its critic, trained beside the policy.
 
-    Args: as :class:`GRPOTrainer`; ``config`` is a :class:`PPOConfig`.
+    Args:
+        gamma: discount over completion tokens, in [0, 1].
+        lam: GAE lambda, in [0, 1].
+        cliprange_value: the value may move at most this far from its rollout value (> 0).
+        value_learning_rate: the critic's learning rate (> 0); None = the run's learning_rate.
+        whiten_advantages: normalise the advantages over active tokens.
     """
 
-    def __init__(self, config: PPOConfig, **kwargs):
-        if not isinstance(config, PPOConfig):
-            raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}")
+    gamma: float = 1.0
+    lam: float = 0.95
+    cliprange_value: float = 0.2
+    value_learning_rate: float | None = None
+    whiten_advantages: bool = True
+    # the critic as the trainer steps and checkpoints it (the part "value"), built by attach
+    value: TrainedPart | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        for name in ("gamma", "lam"):
+            number = getattr(self, name)
+            if not 0.0 <= number <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {number!r}")
+        if not self.cliprange_value > 0:
+            raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value!r}")
+        if self.value_learning_rate is not None and not self.value_learning_rate > 0:
+            raise ValueError(f"value_learning_rate must be > 0 or None, got {self.value_learning_rate!r}")
+
+    def check(self, config, tools) -> None:
+        if self.value is not None:  # a second trainer would take over the first one's critic
+            raise ValueError("strategy: this PPO already trains a critic for another trainer; give each its own")
+        if config.lora_r > 0:
+            raise ValueError("the PPO baseline trains full models: lora_r must be 0")
         if config.max_staleness:
             raise ValueError("the PPO baseline samples synchronously: max_staleness must be 0")
-        if config.tools or kwargs.get("tools"):  # its GAE walks the completion as the model's tokens alone
-            raise ValueError("the PPO baseline runs single-turn rollouts: tools need the GRPO trainer")
+        if config.tools or tools:  # its GAE walks the completion as the model's tokens alone
+            raise ValueError("the PPO baseline runs single-turn rollouts: tools need GRPO's own strategy")
         if distributed.launched_by_torchrun():
             raise ValueError(
                 "the PPO baseline runs in one process (its critic is not wrapped for DDP or FSDP2): start it without "
                 "torchrun"
             )
-        super().__init__(config, **kwargs)
-        self.value_model = ValueModel(self.policy).to(self.runtime.device).train()
-        self.value_optimizer = adamw(self.value_model.parameters(), config, config.value_learning_rate)
-        self.value_scheduler = lr_scheduler(self.value_optimizer, config)
+
+    def attach(self, trainer) -> None:
+        self.config, self.runtime = trainer.config, trainer.runtime
+        model = ValueModel(trainer.policy).to(self.runtime.device).train()
+        optimizer = adamw(model.parameters(), self.config, self.value_learning_rate)
+        self.value = TrainedPart(model, optimizer, lr_scheduler(optimizer, self.config))
+
+    def parts(self) -> dict:
+        return {"value": self.value}
 
     @torch.no_grad()
     def rollout_values(self, samples: Samples) -> torch.Tensor:
@@ -191,57 +193,39 @@ class PPOTrainer(GRPOTrainer):
         with self.runtime.autocast():
             return torch.cat(
                 [
-                    self.value_model(samples.input_ids[i : i + step], samples.attention_mask[i : i + step], C)
+                    self.value.module(samples.input_ids[i : i + step], samples.attention_mask[i : i + step], C)
                     for i in range(0, N, step)
                 ]
             )
 
-    def prepare(self, samples: Samples) -> StepBatch:
+    def prepare(self, batch: StepBatch) -> PPOBatch:
         """GRPO's batch with GAE advantages [N, C] from the critic's values (the group
         statistics are kept for logging). Unscored completions leave both losses (their mask
         is zeroed, and so are they in the token count)."""
-        config, fields = self.config, self.batch_fields(samples)
-        if fields["stats"] is None:  # no rows on any rank: no update
-            return StepBatch(**fields)
-        scores = fields["stats"].rewards  # [N], the weighted reward sum, NaN where unscored
-        mask = samples.completion_mask * (~scores.isnan()).unsqueeze(1)  # [N, C]
-        old_values = self.rollout_values(samples)  # [N, C]
-        advantages, returns = gae(
-            terminal_rewards(scores.nan_to_num(0.0), mask), old_values, mask, config.gamma, config.lam
-        )
-        if config.whiten_advantages:
+        scores = batch.stats.rewards  # [N], the weighted reward sum, NaN where unscored
+        mask = batch.completion_mask * (~scores.isnan()).unsqueeze(1)  # [N, C]
+        old_values = self.rollout_values(batch.samples)  # [N, C]
+        rewards = terminal_rewards(scores.nan_to_num(0.0), mask)  # [N, C]
+        advantages, returns = gae(rewards, old_values, mask, self.gamma, self.lam)
+        if self.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
-        fields.update(completion_mask=mask, advantages=advantages, num_items=self.runtime.ranks.sum(mask.sum()))
+        fields = dict(
+            vars(batch), completion_mask=mask, advantages=advantages, num_items=self.runtime.ranks.sum(mask.sum())
+        )
         return PPOBatch(**fields, old_values=old_values, returns=returns)
 
-    def accumulate_gradients(self, batch: PPOBatch, proximal) -> PassResult:
-        """The policy's backward passes (GRPO's own), then the critic's."""
-        result = super().accumulate_gradients(batch, proximal)
-        result.metrics.update(self.accumulate_value_gradients(batch))
-        return result
-
-    def optimizer_step(self, loss) -> dict:
-        """Clips and steps the critic with its own AdamW (skipped on its own non-finite gradient
-        norm), then the policy (GRPO's own)."""
-        value = clipped_step(self.value_optimizer, self.value_scheduler, self.config.max_grad_norm)
-        return dict(**super().optimizer_step(loss), value_grad_norm=value["grad_norm"].item())
-
-    def extra_metrics(self, batch: PPOBatch) -> dict:
-        mask = batch.completion_mask
-        return dict(value_mean=((batch.old_values * mask).sum() / mask.sum().clamp(min=1)).item())
-
-    def accumulate_value_gradients(self, batch: PPOBatch) -> dict:
+    def backward(self, batch: PPOBatch) -> dict:
         """Backward of the clipped value loss, a token mean over the whole batch, in micro-batches."""
-        config, num_items, samples = self.config, batch.num_items, batch.samples
+        num_items, samples = batch.num_items, batch.samples
         N, C = batch.completion_mask.shape
-        micro = config.micro_batch_size or N
+        micro = self.config.micro_batch_size or N
         loss, clipped = 0.0, 0.0
         for i in range(0, N, micro):
             rows = slice(i, min(i + micro, N))
             with self.runtime.autocast():
-                values = self.value_model(samples.input_ids[rows], samples.attention_mask[rows], C)
+                values = self.value.module(samples.input_ids[rows], samples.attention_mask[rows], C)
             value_sum, clip_count = clipped_value_loss(
-                values, batch.old_values[rows], batch.returns[rows], batch.completion_mask[rows], config.cliprange_value
+                values, batch.old_values[rows], batch.returns[rows], batch.completion_mask[rows], self.cliprange_value
             )
             (value_sum / num_items.clamp(min=1)).backward()
             loss += value_sum.item()
@@ -249,6 +233,6 @@ class PPOTrainer(GRPOTrainer):
         n = max(num_items.item(), 1)
         return dict(value_loss=loss / n, value_clip_frac=clipped / n)
 
-    def trained_parts(self) -> dict:
-        """The critic, which checkpoints hold beside the policy (as ``value.*``)."""
-        return {"value": (self.value_model, self.value_optimizer, self.value_scheduler)}
+    def metrics(self, batch: PPOBatch) -> dict:
+        mask = batch.completion_mask
+        return dict(value_mean=((batch.old_values * mask).sum() / mask.sum().clamp(min=1)).item())
