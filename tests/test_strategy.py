@@ -47,8 +47,9 @@ class Scale(Strategy):
 
     def attach(self, trainer):
         module = torch.nn.Linear(1, 1, bias=False)
-        optimizer = adamw(module.parameters(), trainer.config, lr=0.1)
-        self.part = TrainedPart(module, optimizer, lr_scheduler(optimizer, trainer.config))
+        optimizer = adamw(module.parameters(), trainer.config.optim, lr=0.1)
+        scheduler = lr_scheduler(optimizer, trainer.config.optim, trainer.config.rollout)
+        self.part = TrainedPart(module, optimizer, scheduler)
         self.calls = []
 
     def parts(self):

@@ -260,7 +260,7 @@ def test_learning_rate_schedules(lr_schedule):
         return {"constant": 1.0, "linear": 1.0 - p, "cosine": 0.5 * (1.0 + math.cos(math.pi * p))}[lr_schedule]
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
-    scheduler = lr_scheduler(optimizer, config)
+    scheduler = lr_scheduler(optimizer, config.optim, config.rollout)
     for s in range(T):
         assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * expected(s), rel=1e-12, abs=0), s
         optimizer.step()
@@ -269,7 +269,7 @@ def test_learning_rate_schedules(lr_schedule):
             state = schedule_state(scheduler)
             assert state["last_epoch"] == 6  # optimizer steps taken
     again = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
-    resumed = lr_scheduler(again, config)
+    resumed = lr_scheduler(again, config.optim, config.rollout)
     again.param_groups[0]["lr"] = 0.5 * expected(6)  # what the optimizer's own state restores
     load_schedule_state(resumed, state)
     for s in range(6, T):

@@ -179,8 +179,8 @@ class PPO(Strategy):
     def attach(self, trainer) -> None:
         self.config, self.runtime = trainer.config, trainer.runtime
         model = ValueModel(trainer.policy).to(self.runtime.device).train()
-        optimizer = adamw(model.parameters(), self.config, self.value_learning_rate)
-        self.value = TrainedPart(model, optimizer, lr_scheduler(optimizer, self.config))
+        optimizer = adamw(model.parameters(), self.config.optim, self.value_learning_rate)
+        self.value = TrainedPart(model, optimizer, lr_scheduler(optimizer, self.config.optim, self.config.rollout))
 
     def parts(self) -> dict:
         return {"value": self.value}

@@ -116,7 +116,7 @@ class GRPOTrainer:
         self.card_options = dict(model_given=model is not None, rows_given=rows is not None)
         self.config, self.loss_config = config, config.loss
         set_seed(config.seed)
-        self.runtime = runtime = Runtime.start(config)
+        self.runtime = runtime = Runtime.start(config.devices, config.precision)
         runtime.log(config.precision)
         ranks = runtime.ranks
         if (prompts := config.rollout.prompts_per_step) % ranks.world_size:
@@ -157,9 +157,9 @@ class GRPOTrainer:
             self.evaluator = evaluation.Evaluator(
                 self.policy, tokenizer, config, eval_rows, self.reward_funcs, self.reward_names, runtime, eval_loop
             )
-        self.optimizer = adamw([p for p in self.policy.parameters() if p.requires_grad], config)
+        self.optimizer = adamw([p for p in self.policy.parameters() if p.requires_grad], config.optim)
         self.optimizer.zero_grad(set_to_none=True)  # a model handed over with gradients (a warm start's)
-        self.scheduler = lr_scheduler(self.optimizer, config)
+        self.scheduler = lr_scheduler(self.optimizer, config.optim, config.rollout)
         self.step = self.data_position = 0
         self.output_dir = ranks.broadcast(config.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
         self.history: list = []

@@ -31,6 +31,7 @@ import torch
 from grpo_fast.trainer import distributed
 from grpo_fast.trainer.choices import PRECISIONS
 from grpo_fast.trainer.distributed import Ranks
+from grpo_fast.trainer.sections import DeviceConfig
 
 logger = logging.getLogger("grpo_fast")
 
@@ -65,12 +66,12 @@ class Runtime:
             object.__setattr__(self, "ranks", Ranks(self.device))
 
     @classmethod
-    def start(cls, config) -> "Runtime":
-        """The run's runtime: ``config.device`` resolved, torchrun's job joined (see
-        ``distributed.setup``), ``config.precision`` decided on that device."""
-        device = distributed.resolve_device(config.device)
-        bf16 = decide_precision(config.precision, device)
-        return cls(device, distributed.setup(device, config.collective_timeout_s), bf16)
+    def start(cls, devices: DeviceConfig, precision: str) -> "Runtime":
+        """The run's runtime: ``devices.device`` resolved, torchrun's job joined (see
+        ``distributed.setup``), ``precision`` decided on that device."""
+        device = distributed.resolve_device(devices.device)
+        bf16 = decide_precision(precision, device)
+        return cls(device, distributed.setup(device, devices.collective_timeout_s), bf16)
 
     def on(self, device, precision: str) -> "Runtime":
         """This process's runtime moved to ``device`` (a rollout worker's), ``precision`` decided

@@ -188,7 +188,7 @@ def evaluate_model(config) -> dict:
     tools, environment = resolve_tools(config.tools), load_environment(config.environment)
     check_model_source(config)
     transformers.set_seed(config.seed)
-    runtime = Runtime.start(config)
+    runtime = Runtime.start(config.devices, config.precision)
     runtime.log(config.precision, "eval")
     model, tokenizer = load_model_and_tokenizer(config, runtime.flash_attention())
     loop = turn_loop(tokenizer, tools, environment, config)

@@ -68,9 +68,9 @@ class Preemption:
     """
 
     def __init__(self, trainer):
-        config = trainer.config
-        self.trainer, self.grace = trainer, config.preemption_grace_s
-        self.signals = [signal.Signals[name] for name in config.preemption_signals]
+        checkpoints = trainer.config.checkpoint
+        self.trainer, self.grace = trainer, checkpoints.preemption_grace_s
+        self.signals = [signal.Signals[name] for name in checkpoints.preemption_signals]
         self.optimizers = [trainer.optimizer, *(part.optimizer for part in trainer.strategy.parts().values())]
         self.received = 0  # the first preemption signal this process took (0: none)
         self.dropped = False

@@ -8,41 +8,44 @@ import warnings
 import torch
 from transformers import get_scheduler
 
+from grpo_fast.trainer.sections import OptimConfig, RolloutConfig
+
 # transformers' schedule behind each of the config's lr_schedule names (get_scheduler is imported
 # with this module, not lazily inside a measured window such as bench/memory.py's)
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
 
-def adamw(params, config, lr: float | None = None) -> torch.optim.AdamW:
-    """AdamW over ``params`` with the config's betas and weight decay, at ``lr`` (default:
-    ``config.learning_rate``). torch's default implementation: the fused kernel would let
+def adamw(params, optim: OptimConfig, lr: float | None = None) -> torch.optim.AdamW:
+    """AdamW over ``params`` with the run's betas and weight decay (its ``optim`` section), at
+    ``lr`` (default: ``optim.learning_rate``). torch's default implementation: the fused kernel would let
     :func:`clipped_step` skip without a host read (``found_inf``), but it rounds differently
     enough that a 1-process resume drifts from the 2-rank run it continues (0.3% in the loss
     within 3 steps against 1e-5: tests/test_distributed.py)."""
     return torch.optim.AdamW(
         params,
-        lr=config.learning_rate if lr is None else lr,
-        betas=(config.adam_beta1, config.adam_beta2),
-        weight_decay=config.weight_decay,
+        lr=optim.learning_rate if lr is None else lr,
+        betas=(optim.adam_beta1, optim.adam_beta2),
+        weight_decay=optim.weight_decay,
     )
 
 
-def lr_scheduler(optimizer, config):
-    """The run's learning-rate schedule, one step per optimizer step (num_iterations per
-    training step): linear warmup over warmup_steps training steps, then constant, or linear or
-    cosine decay towards 0 at the run's last step (transformers' ``get_scheduler``).
+def lr_scheduler(optimizer, optim: OptimConfig, rollout: RolloutConfig):
+    """The run's learning-rate schedule (its ``optim`` section), one step per optimizer step
+    (``rollout.num_iterations`` per training step, ``rollout.steps`` of those): linear warmup
+    over warmup_steps training steps, then constant, or linear or cosine decay towards 0 at the
+    run's last step (transformers' ``get_scheduler``).
 
     transformers' warmup runs its first step at learning rate 0; ours runs optimizer step s at
     ``(s + 1) / (warmup + 1)`` of it, so the schedule is built one step longer and advanced
     once here: optimizer step s runs at transformers' step s + 1. A checkpoint stores the
     state at the optimizer-step count (:func:`schedule_state`).
     """
-    mu = config.num_iterations
+    mu = rollout.num_iterations
     scheduler = get_scheduler(
-        SCHEDULES[config.lr_schedule],
+        SCHEDULES[optim.lr_schedule],
         optimizer,
-        num_warmup_steps=config.warmup_steps * mu + 1,
-        num_training_steps=config.steps * mu + 1,
+        num_warmup_steps=optim.warmup_steps * mu + 1,
+        num_training_steps=rollout.steps * mu + 1,
     )
     with warnings.catch_warnings():  # the advance above, not a step taken before the optimizer's
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
