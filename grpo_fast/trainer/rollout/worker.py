@@ -65,6 +65,7 @@ import torch
 import transformers
 
 from grpo_fast.environments import load_environment
+from grpo_fast.trainer.config import GRPOConfig
 from grpo_fast.trainer.model.build import reference_context
 from grpo_fast.trainer.model.packed_policy import PackedPolicy
 from grpo_fast.trainer.model.packing import pack_rollout
@@ -113,7 +114,7 @@ class WeightSlots:
 class WorkerSetup:
     """What the worker process is started with (pickled by ``spawn``; tensors in shared memory)."""
 
-    config: object  # the run's GRPOConfig
+    config: GRPOConfig  # the run's (the worker samples, rewards and scores as the trainer would)
     model: torch.nn.Module  # a CPU copy of the policy, moved to ``device`` in the worker
     reference: torch.nn.Module | None  # a CPU copy of the frozen reference; None: beta = 0, or below
     reference_is_policy: bool  # a peft policy: its reference is itself with the adapters off
