@@ -29,19 +29,20 @@ from grpo_fast.bench.measure import rel_err  # noqa: E402, F401  (the tests' who
 # never fight over a core. Run without -n, a test has both.
 torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else min(2, os.cpu_count() or 1))
 
-# The modules whose tests take longest on 2 cores (pytest --durations=0, 2026-12-07), longest
-# first: they are collected first, so that under -n 2 --dist loadfile (a module a work unit,
-# handed out in collection order) neither worker ends the run alone on one of them.
+# The modules whose tests take longest (a worker's seconds under -n 2 --dist loadfile,
+# --durations=0, 2026-12-07), longest first: collected first, since loadfile hands a module to
+# a worker in collection order, so that neither worker ends the run alone on one of them.
 LONGEST_MODULES = (
-    "test_async_rollout.py",
-    "test_ops.py",
-    "test_real_models.py",
-    "test_vllm.py",
-    "test_faults.py",
-    "test_guess_number.py",
-    "test_distributed.py",
-    "test_gpu_script.py",
-    "test_integration_trl.py",
+    "test_real_models.py",  # 150 s
+    "test_distributed.py",  # 132 s
+    "test_guess_number.py",  # 127 s
+    "test_vllm.py",  # 124 s
+    "test_async_rollout.py",  # 124 s
+    "test_faults.py",  # 111 s
+    "test_gpu_script.py",  # 110 s
+    "test_soak_sandbox.py",  # 73 s
+    "test_sandbox.py",  # 69 s
+    "test_ops.py",  # 63 s
 )
 
 
