@@ -108,18 +108,13 @@ def flag_names(name: str) -> list:
     return [f"--{name.replace('_', '-')}", *_ALIASES.get(name, []), *trl]
 
 
-def help_topics(config_class=None) -> dict:
-    """``{topic: [field names]}`` of ``config_class`` (default :class:`GRPOConfig`): every field
-    under the topic it declares (``option(..., topic=...)``), the topics in ``config.TOPICS``'
-    order, the fields in the class's. A field without a topic, or with one not in TOPICS, is a
-    ValueError that names it."""
+def help_topics() -> dict:
+    """``{topic: [field names]}``: every config field under its section's title (its help
+    topic), in the sections' order (``config.TOPICS``), the fields in the config's."""
     out = {topic: [] for topic in TOPICS}
-    for f in dataclasses.fields(config_class or GRPOConfig):
-        topic = f.metadata.get("topic")
-        if topic not in out:
-            raise ValueError(f"config field {f.name!r} declares help topic {topic!r}; the topics are {TOPICS}")
-        out[topic].append(f.name)
-    return {topic: names for topic, names in out.items() if names}
+    for f in dataclasses.fields(GRPOConfig):
+        out[f.metadata["topic"]].append(f.name)
+    return out
 
 
 def _add_field(group, field: dataclasses.Field, resolved: GRPOConfig | None = None) -> None:

@@ -68,6 +68,17 @@ def title(section: str) -> str:
 TOPICS = tuple(title(name) for name in SECTIONS)
 
 
+def _with_sections(cls: type) -> type:
+    """``cls`` with a property per section: ``config.optim`` builds that section from the
+    current values and checks it (the loss's is :attr:`RunConfig.loss`)."""
+    for name, section in SECTIONS.items():
+        if section is not LossConfig:
+            doc = f"{section.__doc__} (:class:`{section.__name__}`, built and checked when read)"
+            setattr(cls, attribute(name), property(section.of, doc=doc))
+    return cls
+
+
+@_with_sections
 class RunConfig:
     """What :class:`GRPOConfig` does beside its fields (which the sections define)."""
 
@@ -181,15 +192,6 @@ class RunConfig:
         """The task, ``tools`` (the config's, or the functions given to the trainer) and the
         environment: see :func:`checks.check_turns` (before anything loads)."""
         checks.check_turns(self, tools)
-
-
-def _section_property(cls: type) -> property:
-    return property(lambda self: cls.of(self), doc=f"{cls.__doc__} (:class:`{cls.__name__}`, checked when read)")
-
-
-for _name, _cls in SECTIONS.items():
-    if _cls is not LossConfig:  # RunConfig.loss: its max_completion_length follows max_new_tokens
-        setattr(RunConfig, attribute(_name), _section_property(_cls))
 
 
 def _fields():
