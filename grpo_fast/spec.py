@@ -52,6 +52,12 @@ def option(default, help: str, topic: str | None = None):
     return field(default=default, metadata=metadata)
 
 
+def fields_of(cls, source, **overrides):
+    """A ``cls`` (a dataclass) from ``source``'s attributes of its fields' names, ``overrides``
+    applied: a view of the run's config (a section, the loss, the engine's settings)."""
+    return cls(**{**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls)}, **overrides})
+
+
 def option_default(f: dataclasses.Field):
     """The default of a config field (a fresh list for a list's), as ``option`` made it."""
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -381,7 +387,7 @@ class LossConfig(_Frozen):
         with ``overrides`` applied."""
         if type(options) is cls and not overrides:
             return options
-        return cls(**{**{f.name: getattr(options, f.name) for f in dataclasses.fields(cls)}, **overrides})
+        return fields_of(cls, options, **overrides)
 
     @property
     def clip_high(self) -> float:

@@ -7,11 +7,11 @@ loss's section is :class:`grpo_fast.LossConfig` itself.
 """
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar
 
 from grpo_fast.model_files import is_model_file
-from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, check_sampling_correction, option
+from grpo_fast.spec import SAMPLING_CORRECTIONS, SCALES, check_sampling_correction, fields_of, option
 from grpo_fast.tasks.datasets import is_dataset_path, is_local_path
 from grpo_fast.trainer.checks import int_at_least, require
 from grpo_fast.trainer.choices import (
@@ -41,7 +41,7 @@ class Section:
     @classmethod
     def of(cls, config):
         """The section of ``config`` (an object with its fields: the flat config)."""
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+        return fields_of(cls, config)
 
     def choice(self, name: str, options) -> None:
         value = getattr(self, name)

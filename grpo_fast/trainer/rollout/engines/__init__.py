@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from grpo_fast.spec import fields_of
 from grpo_fast.trainer.choices import ENGINES
 from grpo_fast.trainer.runtime import Runtime
 
@@ -58,7 +59,7 @@ class EngineSettings:
     def of(cls, config, **changes) -> EngineSettings:
         """The settings in ``config`` (a :class:`~grpo_fast.trainer.GRPOConfig`), with ``changes``
         (the evaluation's temperature)."""
-        return cls(**{**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}, **changes})
+        return fields_of(cls, config, **changes)
 
 
 class Generation(NamedTuple):
