@@ -23,6 +23,7 @@ with reward 0, counted (``env/errors``) and logged; the batch goes on.
 """
 
 import collections
+import copy
 import inspect
 import logging
 import time
@@ -80,8 +81,9 @@ class TurnLoop:
 
     def copy(self) -> "TurnLoop":
         """The same loop with its own seconds (the evaluation's are not the training step's)."""
-        options = dict(system_prompt=self.system_prompt, pass_threshold=self.pass_threshold)
-        return TurnLoop(self.template, self.tooling, self.environment, **options)
+        loop = copy.copy(self)
+        loop.tool_seconds = loop.env_seconds = 0.0
+        return loop
 
     def metrics(self) -> dict:
         """The tools' and environments' wall time since the last read (then reset)."""
