@@ -1,9 +1,10 @@
 """The packed attention on one grid against grids of like length, inside the trainer.
 
 A pack's attention is a few SDPA calls, each on sequences of like length
-(``grpo_fast.packing.layout.attention_grids``); ``CALL_COST`` sets how much padded work a call
-is worth. With a cost no pack reaches, every pack attends on one grid per kind (causal rows;
-completions after their prompt), as before the grids were split. This script times both on
+(``grpo_fast.packing.layout.attention_grids``), as the host's cost model predicts pays
+(``grpo_fast.packing.cost``: a call's fixed cost against its grid's padding). With padding that
+costs nothing, every pack attends on one grid per kind (causal rows; completions after
+their prompt), as before the grids were split. This script times both on
 the same step: one trainer per layout (shared prefix, whole rows), one rollout each, then the
 reference pass (``prepare``) and a training pass's backward (``accumulate_gradients``),
 alternating the call costs, median of the repeats after a warm-up.
@@ -25,9 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, print_table  # noqa: E402
 from trainer_bench.workloads import WORKLOADS  # noqa: E402
 
-from grpo_fast.packing import layout  # noqa: E402
+from grpo_fast.packing.cost import HOST_COSTS  # noqa: E402
 
-ONE_GRID = 10**18  # a call cost no pack reaches
+# Padding that costs nothing: every span of a kind then shares one call (the layout's choice of
+# shared or whole rows still sees the calls' fixed cost and the dense layers')
+ONE_GRID = HOST_COSTS["cpu"]._replace(row=0.0, causal=0.0, masked=0.0, gather=0.0)
 
 
 def time_layout(work, shared_prefix: bool, costs: dict, repeats: int, seed: int) -> dict:
@@ -38,11 +41,11 @@ def time_layout(work, shared_prefix: bool, costs: dict, repeats: int, seed: int)
     trainer.run_step()
     samples = trainer.source.next(trainer.data_position, trainer.version)
     times = {name: [] for name in costs}
-    saved = layout.CALL_COST["cpu"]
+    saved = HOST_COSTS["cpu"]
     try:
         for repeat in range(repeats + 1):  # the first round warms up
             for name, cost in costs.items():
-                layout.CALL_COST["cpu"] = cost
+                HOST_COSTS["cpu"] = cost
                 start = time.perf_counter()
                 batch = trainer.prepare(samples)
                 prepared = time.perf_counter()
@@ -52,7 +55,7 @@ def time_layout(work, shared_prefix: bool, costs: dict, repeats: int, seed: int)
                     calls = sum(len(packed.grids.calls) for packed in batch.micro_batches)
                     times[name].append((prepared - start, time.perf_counter() - prepared, calls))
     finally:
-        layout.CALL_COST["cpu"] = saved
+        HOST_COSTS["cpu"] = saved
     return {
         name: dict(
             reference_s=statistics.median(t[0] for t in rows),
@@ -73,7 +76,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     work = WORKLOADS[args.workload](args)
-    costs = {"one_grid": ONE_GRID, "grids": layout.CALL_COST["cpu"]}
+    costs = {"one_grid": ONE_GRID, "grids": HOST_COSTS["cpu"]}
     results, rows = {}, []
     for name, shared in (("shared_prefix", True), ("whole_rows", False)):
         results[name] = time_layout(work, shared, costs, args.repeats, args.seed)
@@ -94,7 +97,12 @@ def main():
     report = dict(
         benchmark="attention_grids",
         workload=args.workload,
-        setup=dict(repeats=args.repeats, threads=args.threads, seed=args.seed, call_costs=costs, slack=layout.SLACK),
+        setup=dict(
+            repeats=args.repeats,
+            threads=args.threads,
+            seed=args.seed,
+            host_costs={name: cost._asdict() for name, cost in costs.items()},
+        ),
         machine=machine_info(),
         results=results,
     )

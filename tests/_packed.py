@@ -8,11 +8,18 @@ from _steps import backward, next_batch, off_policy
 from conftest import completion_logits, completion_logprobs, max_err, rel_err
 
 from grpo_fast import grpo_loss
+from grpo_fast.packing.cost import HOST_COSTS
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer.model.build import reference_context
 
 C = 5  # the completions' columns of rollout()
+
+
+def a_call_per_length(monkeypatch) -> None:
+    """Packs on this host split their attention into a call per span length: a call and a grid
+    row cost nothing fixed, so only equal lengths share one (``packing.cost``)."""
+    monkeypatch.setitem(HOST_COSTS, "cpu", HOST_COSTS["cpu"]._replace(call=0.0, row=0.0))
 
 
 def float64_trainer(tmp_path, **overrides) -> GRPOTrainer:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from grpo_fast.packing.layout import CALL_COST
+from grpo_fast.packing.cost import HOST_COSTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,7 +25,8 @@ def run(script: str, *options, tmp_path):
 def test_the_grids_benchmark_times_both_call_costs_on_both_layouts(tmp_path):
     run("bench_attention_grids.py", "--workload", "tiny", "--repeats", "1", tmp_path=tmp_path)
     report = json.loads((tmp_path / "attention_grids_cpu_tiny.json").read_text())
-    assert report["setup"]["call_costs"] == {"one_grid": 10**18, "grids": CALL_COST["cpu"]}
+    costs = report["setup"]["host_costs"]
+    assert costs["grids"] == HOST_COSTS["cpu"]._asdict() and costs["one_grid"]["causal"] == 0
     for layout, one_grid_calls in (("shared_prefix", 2), ("whole_rows", 1)):
         result = report["results"][layout]
         assert result["one_grid"]["calls_per_layer"] == one_grid_calls  # per kind: causal, after a prompt

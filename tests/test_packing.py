@@ -9,12 +9,22 @@ gradients equal it to rounding: each group's prompt once (the default), and ever
 
 import pytest
 import torch
-from _packed import assert_packed_equals_padded, float64_trainer
+from _packed import C, a_call_per_length, assert_packed_equals_padded, float64_trainer, rollout
 from conftest import rel_err
 
 import grpo_fast.packing.attention as packed_attention_module
-from grpo_fast.packing import micro_batches, pack, packed_logits, packed_sdpa, to_grid, use_packed_attention
-from grpo_fast.packing.layout import CALL_COST, SLACK, attention_grids
+from grpo_fast.packing import layout as layout_module
+from grpo_fast.packing import (
+    micro_batches,
+    pack,
+    pack_micro_batches,
+    packed_logits,
+    packed_sdpa,
+    to_grid,
+    use_packed_attention,
+)
+from grpo_fast.packing.cost import HOST_COSTS, LayerShape, PackCost
+from grpo_fast.packing.layout import attention_grids
 from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer.runtime import Runtime
@@ -79,18 +89,18 @@ def test_pack_layout():
 
 
 @pytest.mark.parametrize(
-    "call_cost, kv_heads_in_kernel",
-    [(None, True), (0, True), (0, False)],
+    "per_length, kv_heads_in_kernel",
+    [(False, True), (True, True), (True, False)],
     ids=["one-call", "a-call-per-length", "kv-heads-repeated"],
 )
-def test_packed_logits_equal_each_sequence_alone(monkeypatch, call_cost, kv_heads_in_kernel):
+def test_packed_logits_equal_each_sequence_alone(monkeypatch, per_length, kv_heads_in_kernel):
     """Attention stays within each packed sequence: the packed logits equal those of each
     sequence run alone (grouped-query attention, sequences of different lengths), on one grid
     or on a grid per length, the key and value heads passed to SDPA as they are (CPU) or
     repeated to the query heads (CUDA's way, here on CPU); without the pack's grids,
     packed_sdpa attends the sequences of ``cu_seq_lens_q`` the same."""
-    if call_cost is not None:
-        monkeypatch.setitem(CALL_COST, "cpu", call_cost)
+    if per_length:
+        a_call_per_length(monkeypatch)
     monkeypatch.setattr(packed_attention_module, "_kernels_take_gqa", lambda query: kv_heads_in_kernel)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=4, num_key_value_heads=1).double()
@@ -98,7 +108,7 @@ def test_packed_logits_equal_each_sequence_alone(monkeypatch, call_cost, kv_head
     lengths = [9, 3, 6, 2]
     attention = (torch.arange(9) >= 9 - torch.tensor(lengths).unsqueeze(1)).long()  # left-padded
     packed = pack(input_ids, attention, 1, slice(0, 4))
-    assert len(packed.grids.calls) == (1 if call_cost is None else 4)
+    assert len(packed.grids.calls) == (4 if per_length else 1)
     with torch.no_grad():  # transformers' own attention, before the model is set to the packed one
         alone = [model(input_ids=input_ids[b : b + 1, 9 - n :]).logits[0, -2] for b, n in enumerate(lengths)]
     logits = to_grid(packed_logits(use_packed_attention(model), packed), packed)  # [4, 1, V]: the last predictions
@@ -111,15 +121,18 @@ def test_packed_logits_equal_each_sequence_alone(monkeypatch, call_cost, kv_head
         packed_sdpa(None, q, k, k, None)
 
 
-def test_attention_grids_hold_each_token_once_within_their_padding_bound(monkeypatch):
+def test_attention_grids_hold_each_token_once_and_merge_only_where_it_pays(monkeypatch):
     """Each packed token has one slot, where its grid reads it back; causal spans and spans
-    after a prefix never share a call; a call's padded work stays within SLACK of its spans'
-    own plus one call's cost; an empty span has no slot; at CUDA's cost per call, calls merge more."""
+    after a prefix never share a call; a call that holds several spans is predicted to cost no
+    more than a call for each (the first-fit merges only where that holds); an empty span has no
+    slot. With no fixed cost to a call, unlike lengths each get one; at CUDA's costs, calls
+    merge into one per kind."""
     spans = [(0, 30, 0, 0), (30, 3, 0, 30), (33, 40, 0, 30), (73, 0, 0, 30), (73, 28, 0, 0), (101, 2, 0, 0)]
     spans += [(103, 9, 101, 2), (112, 1, 101, 2), (113, 8, 101, 2)]
-    S = 121
-    for call_cost in (0, 300, CALL_COST["cpu"]):
-        monkeypatch.setitem(CALL_COST, "cpu", call_cost)
+    S, fitted = 121, HOST_COSTS["cpu"]
+    for host in (fitted._replace(call=0.0, row=0.0), fitted._replace(call=fitted.call / 4), fitted):
+        monkeypatch.setitem(HOST_COSTS, "cpu", host)
+        cost = PackCost.reference("cpu")
         grids = attention_grids(spans, S, "cpu")
         assert grids.query_reads[grids.slots].tolist() == list(range(S)) and len(set(grids.slots.tolist())) == S
         calls = grids.calls
@@ -130,20 +143,46 @@ def test_attention_grids_hold_each_token_once_within_their_padding_bound(monkeyp
             members = [span for span in spans if span[0] in starts and span[1] > 0]
             assert len(members) == call.rows and len({span[3] > 0 for span in members}) == 1
             prefix = max(span[3] for span in members)
-            own = sum(length * (p + length) for _, length, _, p in members)
-            assert call.rows * call.queries * (prefix + call.queries) <= SLACK * own + call_cost
+            alone = sum(cost.call_seconds(1, length, p + length, p > 0) for _, length, _, p in members)
+            assert cost.call_seconds(call.rows, call.queries, call.keys, prefix > 0) <= alone * (1 + 1e-12)
             assert call.keys == prefix + call.queries and (call.key_mask is None) == (prefix == 0)
             if prefix:  # keys: the prefix padded to its longest, then the span, and which of them a query sees
                 assert call.key_mask.shape == (call.rows, 1, call.queries, call.keys)
                 assert torch.equal(keys.view(call.rows, -1)[:, prefix:], reads.view(call.rows, -1))
             else:
                 assert torch.equal(keys, reads)
-        if call_cost == 0:  # causal: 30 and 28 together, 2 alone; prefixed: 40, 3, 9 with 8, 1
-            assert len(grids.calls) == 6
-    monkeypatch.setitem(CALL_COST, "cpu", CALL_COST["cuda"])  # a GPU's: a call is worth 512 x 512
+        if host.call == 0:  # every span of its own length alone: 30, 28, 2; 40, 3, 9, 8, 1
+            assert len(grids.calls) == 8
+    monkeypatch.setitem(HOST_COSTS, "cpu", HOST_COSTS["cuda"])  # a GPU's: a call is worth far more work
     assert len(attention_grids(spans, S, "cpu").calls) == 2
     with pytest.raises(ValueError, match="spans must hold each of the 122 packed tokens once"):
         attention_grids(spans, S + 1, "cpu")
+
+
+def test_a_micro_batch_packs_whole_rows_where_sharing_is_predicted_not_to_pay(caplog):
+    """With the host's costs the groups share their prompts; where dense layers cost nothing
+    and a masked call twice a causal one, sharing cannot pay, and the micro-batch packs whole
+    rows, exactly as without groups, said once in the log. The layer's shape is read from the
+    config (grouped-query heads, a head size of its own, a multimodal config's text part)."""
+    from transformers import Gemma3Config, LlamaConfig
+
+    llama = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    shape = LayerShape.of(llama)
+    assert shape == LayerShape(flops=2 * (64 * (2 * 32 + 2 * 16) + 3 * 64 * 128), width=32, kv_width=16)
+    assert LayerShape.of(Gemma3Config(text_config=llama.to_dict())) == shape
+    input_ids, attention = rollout(4, [6, 2, 9])
+    fitted = HOST_COSTS["cpu"]
+    no_gain = PackCost(fitted._replace(flop=0.0, masked=2 * fitted.causal), shape)
+    layout_module._say_whole_rows.cache_clear()
+    with caplog.at_level("INFO", logger="grpo_fast"):
+        [shared] = pack_micro_batches(input_ids, attention, C, None, None, 4, cost=PackCost(fitted, shape))
+        whole = [pack_micro_batches(input_ids, attention, C, None, 2, 4, cost=no_gain) for _ in range(2)][0]
+    assert shared.prefix is not None and shared.input_ids.shape[1] < int(attention.sum())
+    for packed, plain in zip(whole, pack_micro_batches(input_ids, attention, C, None, 2)):
+        assert packed.prefix is None and torch.equal(packed.input_ids, plain.input_ids)
+        assert torch.equal(packed.logit_index, plain.logit_index) and len(packed.grids.calls) >= 1
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[-1].getMessage()) == 1
+    assert "packing whole rows" in caplog.records[-1].getMessage()
 
 
 def test_micro_batches_follow_the_token_budget():

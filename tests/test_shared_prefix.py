@@ -9,7 +9,7 @@ and of the maximum length, grouped-query attention, and micro-batches that split
 
 import pytest
 import torch
-from _packed import C, assert_packed_equals_padded, float64_trainer, rollout
+from _packed import C, a_call_per_length, assert_packed_equals_padded, float64_trainer, rollout
 from conftest import completion_logits, max_err, rel_err
 
 import grpo_fast.packing.attention as packed_attention_module
@@ -23,7 +23,6 @@ from grpo_fast.packing import (
     to_grid,
     use_packed_attention,
 )
-from grpo_fast.packing.layout import CALL_COST
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig
 from grpo_fast.trainer.choices import ATTENTION_KERNELS
@@ -76,11 +75,11 @@ def _values(model, packed, weights):
     return logits.detach(), hidden.detach(), grads
 
 
-@pytest.mark.parametrize("call_cost", [None, 0], ids=["few-calls", "a-call-per-length-kv-heads-repeated"])
+@pytest.mark.parametrize("per_length", [False, True], ids=["few-calls", "a-call-per-length-kv-heads-repeated"])
 @pytest.mark.parametrize("group_size", [1, 2, 8])
-def test_shared_prefix_equals_every_row_whole(model, group_size, call_cost, monkeypatch):
-    if call_cost is not None:  # an SDPA call per length (layout.attention_grids), kv heads repeated as on CUDA
-        monkeypatch.setitem(CALL_COST, "cpu", call_cost)
+def test_shared_prefix_equals_every_row_whole(model, group_size, per_length, monkeypatch):
+    if per_length:  # an SDPA call per length (layout.attention_grids), kv heads repeated as on CUDA
+        a_call_per_length(monkeypatch)
         monkeypatch.setattr(packed_attention_module, "_kernels_take_gqa", lambda query: False)
     input_ids, attention = rollout(group_size, [4, 1, 7])
     N = input_ids.shape[0]
@@ -103,7 +102,7 @@ def test_shared_prefix_equals_every_row_whole(model, group_size, call_cost, monk
             calls = max(calls, len(s.grids.calls))
     assert N == 3 * group_size and split == (group_size > 1)
     # one causal call (whole rows, or the prompts) and one after the prompts; or one per length
-    assert calls == (1 + (group_size > 1) if call_cost is None else {1: 3, 2: 7, 8: 9}[group_size])
+    assert calls == ({1: 3, 2: 9, 8: 18}[group_size] if per_length else 1 + (group_size > 1))
 
 
 def test_flex_attention_equals_sdpa(model):
@@ -229,8 +228,8 @@ def test_models_that_cannot_take_the_layout_pack_every_row_whole(caplog):
     assert whole.prefix is None  # no prompt shared: every row whole
 
 
-@pytest.mark.parametrize("call_cost", [None, 0], ids=["few-calls", "a-call-per-length"])
-def test_sliding_windows_in_the_packed_layouts(call_cost, monkeypatch):
+@pytest.mark.parametrize("per_length", [False, True], ids=["few-calls", "a-call-per-length"])
+def test_sliding_windows_in_the_packed_layouts(per_length, monkeypatch):
     """Gemma 3's layers (a sliding window of 4 positions on 3 of 4 layers, one of 1 query and
     2 kv heads, a scaled embedding) in float64: whole rows and shared prompts equal the padded
     forward, whose mask transformers builds, to 1e-10 in logits, hidden states and every
@@ -238,8 +237,8 @@ def test_sliding_windows_in_the_packed_layouts(call_cost, monkeypatch):
     reach past it)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    if call_cost is not None:
-        monkeypatch.setitem(CALL_COST, "cpu", call_cost)
+    if per_length:
+        a_call_per_length(monkeypatch)
     layers = ["sliding_attention"] * 3 + ["full_attention"]
     config = Gemma3TextConfig(
         vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,

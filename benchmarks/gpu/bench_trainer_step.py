@@ -110,7 +110,7 @@ def shared_prefix_passes(model_sizes: dict, dry_run: bool, device: str, repeats:
     memory."""
     from grpo_fast import token_logprobs
     from grpo_fast.packing import pack_micro_batches, packed_logits, use_packed_attention
-    from grpo_fast.packing.layout import CALL_COST
+    from grpo_fast.packing.cost import HOST_COSTS, LayerShape, PackCost
 
     sizes = dict(model_sizes)
     torch.manual_seed(0)
@@ -130,16 +130,13 @@ def shared_prefix_passes(model_sizes: dict, dry_run: bool, device: str, repeats:
     trains = device == "cuda"  # FlexAttention's backward is CUDA's only
 
     def pack_with(kernel: str, group_size):
-        # sdpa_split: SDPA with CPU's cost of a call (layout.CALL_COST), a call per length
-        # where the default on CUDA makes one per kind: whether splitting pays on a GPU
-        saved = dict(CALL_COST)
+        # sdpa_split: SDPA split by CPU's costs (packing.cost), about a call per length where
+        # CUDA's costs make one per kind: whether splitting pays on a GPU
+        cost = PackCost.of(model, device)
         if kernel == "sdpa_split":
-            CALL_COST[torch.device(device).type] = CALL_COST["cpu"]
-        try:
-            attention = "flex" if kernel == "flex" else "sdpa"
-            return pack_micro_batches(ids, mask, C, None, None, group_size, attention=attention)[0]
-        finally:
-            CALL_COST.update(saved)
+            cost = PackCost(HOST_COSTS["cpu"], LayerShape.of(model.config))
+        attention = "flex" if kernel == "flex" else "sdpa"
+        return pack_micro_batches(ids, mask, C, None, None, group_size, attention=attention, cost=cost)[0]
 
     layouts = {
         (layout, kernel): pack_with(kernel, size)

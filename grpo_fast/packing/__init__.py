@@ -4,6 +4,8 @@ prompt once, and the attention that keeps each to itself.
     layout.py     the packed layout (:class:`Packed`, :func:`pack`, shared prefixes,
                   :func:`pack_by_prompt`), its SDPA calls (:func:`attention_grids`), the
                   token-budget micro-batches, :func:`to_grid`
+    cost.py       what a packed layer costs (:class:`PackCost`): how the attention splits into
+                  calls, and whether sharing a micro-batch's prompts pays
     attention.py  :func:`packed_sdpa` (whole rows and shared prefixes), the attention a model
                   is set to once (:func:`use_packed_attention`), the packed forwards
                   :func:`packed_logits` and :func:`packed_hidden`, what cannot take the layout
@@ -19,6 +21,7 @@ from grpo_fast.packing.attention import (
     shared_layout_blocker,
     use_packed_attention,
 )
+from grpo_fast.packing.cost import HOST_COSTS, HostCost, LayerShape, PackCost
 from grpo_fast.packing.layout import (
     ATTENTIONS,
     Grid,
@@ -36,9 +39,13 @@ from grpo_fast.packing.layout import (
 
 __all__ = [
     "ATTENTIONS",
+    "HOST_COSTS",
     "PACKED_ATTENTIONS",
     "Grid",
     "Grids",
+    "HostCost",
+    "LayerShape",
+    "PackCost",
     "Packed",
     "SharedPrefix",
     "attention_grids",

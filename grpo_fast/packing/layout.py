@@ -34,10 +34,16 @@ log-probs computed); the loss, its token counts and the sampling correction read
 completion mask, which gives them weight 0 (``step.loss_inputs``; tests/test_tool_mask.py).
 """
 
+import functools
 import itertools
+import logging
 from typing import NamedTuple
 
 import torch
+
+from grpo_fast.packing.cost import PackCost
+
+logger = logging.getLogger("grpo_fast")
 
 # The kernels a pack is attended with: SDPA on gathered grids (exact on every device), or
 # FlexAttention with a block mask (compiled on CUDA; on CPU it runs unfused, for tests).
@@ -148,6 +154,7 @@ def pack(
     groups: list | None = None,
     padded_positions: bool = False,
     attention: str = "sdpa",
+    cost: PackCost | None = None,
 ) -> Packed:
     """Packs rows ``rows`` of a padded rollout: input_ids and attention_mask [N, P + C], the
     last C = ``num_completion_tokens`` columns the completions. A row's real tokens are
@@ -159,7 +166,11 @@ def pack(
     ``[prompt | completion_1 | ... | completion_g]`` (see :class:`SharedPrefix`). None packs
     every row whole. ``padded_positions``: a token's position is its padded column (what a
     padded forward without ``position_ids`` uses, as TRL's does) instead of its index among
-    the row's real tokens. ``attention``: the kernel that attends it, one of :data:`ATTENTIONS`."""
+    the row's real tokens. ``attention``: the kernel that attends it, one of :data:`ATTENTIONS`.
+    ``cost``: the model's :class:`~grpo_fast.packing.cost.PackCost` on this device, which splits
+    the attention into calls and packs whole rows where the shared layout is predicted to cost
+    more than it saves (:func:`_shares`); None: the device's costs at a reference width, and
+    the layout ``groups`` asks for."""
     ids, real = input_ids[rows], attention_mask[rows].bool()
     n, L = ids.shape
     C = num_completion_tokens
@@ -176,6 +187,9 @@ def pack(
     units = _units(rows, lengths, groups)  # [(first row, rows)] in this micro-batch
     prompts = [lengths[first][1] for first, _ in units]
     completion_lengths = [total - prompt for total, prompt in lengths]
+    if groups is not None and cost is not None and not _shares(cost, lengths, units, prompts, completion_lengths):
+        groups, units = None, _units(rows, lengths, None)
+    cost = cost or PackCost.reference(ids.device)
     Nc = sum(completion_lengths)
     S = Nc + sum(prompts) if groups is not None else sum(total for total, _ in lengths)
     # The real tokens' flat positions [S]; their count is known on the host, so finding them
@@ -195,7 +209,8 @@ def pack(
         spans = whole_row_spans(sequences)
     else:
         sequences = [p + sum(completion_lengths[r] for r in members) for p, (_, members) in zip(prompts, units)]
-        logit_index, prefix, spans = _shared_layout(units, prompts, completion_lengths, completion, ids.device)
+        spans = _shared_spans(units, prompts, completion_lengths)
+        logit_index, prefix = _shared_layout(units, prompts, completion_lengths, completion, ids.device)
     cu_seqlens = torch.tensor([0] + sequences, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     completion_cu = torch.tensor([0] + completion_lengths, dtype=torch.int64).cumsum(0)
     packed_ids = ids.reshape(-1)[flat].unsqueeze(0)
@@ -213,7 +228,7 @@ def pack(
         grid_shape=(n, C),
         prefix=prefix,
         attention=attention,
-        grids=attention_grids(spans, S, ids.device) if attention == "sdpa" else None,
+        grids=attention_grids(spans, S, ids.device, cost) if attention == "sdpa" else None,
     )
 
 
@@ -245,20 +260,30 @@ def _units(rows: slice, lengths: list, groups: list | None) -> list:
     return units
 
 
+def _shared_spans(units: list, prompts: list, completion_lengths: list) -> list:
+    """The :func:`attention_grids` spans of a shared-prefix pack: each unit's prompt, causal to
+    itself, then its completions, each after the prompt."""
+    spans, start = [], 0
+    for prompt, (_, members) in zip(prompts, units):
+        prompt_start, start = start, start + prompt
+        spans.append((prompt_start, prompt, 0, 0))
+        for r in members:
+            spans.append((start, completion_lengths[r], prompt_start, prompt))
+            start += completion_lengths[r]
+    return spans
+
+
 def _shared_layout(units: list, prompts: list, completion_lengths: list, completion, device):
     """The logit index [Nc] of a shared-prefix pack (a completion's first token is predicted by
-    its unit's last prompt token), its :class:`SharedPrefix` and its attention spans (see
-    :func:`attention_grids`), from the host's lengths."""
-    spans, segments, start = [], [], 0  # segments: (id, is a prompt, tokens)
+    its unit's last prompt token) and its :class:`SharedPrefix`, from the host's lengths."""
+    segments, start = [], 0  # segments: (id, is a prompt, tokens)
     # Each completion's first token comes from its unit's last prompt position; the others
     # from the position before them, as unshared: (its index among the Nc, the predictor)
     firsts, predictors, completed = [], [], 0
     for u, (prompt, (_, members)) in enumerate(zip(prompts, units)):
         prompt_start, start = start, start + prompt
-        spans.append((prompt_start, prompt, 0, 0))
         segments.append((u, True, prompt))
         for r in members:  # the units hold the rows in order: completion r is segment U + r
-            spans.append((start, completion_lengths[r], prompt_start, prompt))
             segments.append((len(units) + r, False, completion_lengths[r]))
             if completion_lengths[r]:
                 firsts.append(completed)
@@ -271,49 +296,82 @@ def _shared_layout(units: list, prompts: list, completion_lengths: list, complet
         segment=torch.repeat_interleave(ids, tokens, output_size=start).to(device),
     )
     firsts, predictors = (torch.tensor(column, dtype=torch.long).to(device) for column in (firsts, predictors))
-    return (completion - 1).index_put((firsts,), predictors), prefix, spans
+    return (completion - 1).index_put((firsts,), predictors), prefix
 
 
-# Spans of unlike lengths go to separate SDPA calls, so that a call's padded work is at most
-# SLACK times its spans' own (queries x keys each) plus a call's fixed cost, in the same units:
-# one grid over a micro-batch's rows of 20 to 300 tokens spent 4x the attention of one call per
-# row on CPU (benchmarks/NOTES.md, "Attention on grids of like length"). On CUDA a call's fixed
-# cost (its launches, a grid too small to fill the device) is worth far more work than on CPU.
-SLACK = 1.25
-CALL_COST = {"cpu": 64 * 64, "cuda": 512 * 512}
+def _shares(cost: PackCost, lengths: list, units: list, prompts: list, completion_lengths: list) -> bool:
+    """Whether a micro-batch's shared layout is predicted to cost less than its whole rows (one
+    layer's forward, ``cost``); the first time it is not, that is logged once per process."""
+    whole = [total for total, _ in lengths]
+    shared = (sum(prompts) + sum(completion_lengths), _shared_spans(units, prompts, completion_lengths))
+    layouts = (shared, (sum(whole), whole_row_spans(whole)))
+    seconds = [cost.seconds(tokens, _call_shapes(_calls(spans, cost))) for tokens, spans in layouts]
+    if seconds[0] < seconds[1]:
+        return True
+    _say_whole_rows()
+    logger.debug(
+        "shared_prefix: whole rows, predicted %.3g ms a layer shared against %.3g ms", *(t * 1e3 for t in seconds)
+    )
+    return False
 
 
-def attention_grids(spans: list, total: int, device) -> Grids:
-    """The :class:`Grids` that attend a pack of ``total`` tokens on ``device``. ``spans``: per
-    query span ``(start, length, prefix start, prefix length)`` in packed positions, a prefix
-    length of 0 for a span that attends causally to itself alone (a whole row, a shared
-    prompt), else to its prefix and causally to itself (a completion after its shared prompt).
-    Every packed token is in exactly one span. Spans go to calls first-fit, largest first: a
-    call takes a span while its padded work stays within ``SLACK`` of its spans' own plus one
-    call's fixed cost (:data:`CALL_COST`)."""
-    if sum(length for _, length, _, _ in spans) != total:
-        raise ValueError(f"spans must hold each of the {total} packed tokens once, got {spans}")
-    call_cost = CALL_COST.get(torch.device(device).type, CALL_COST["cuda"])
-    calls = []  # [prefix width, query width, own work, [span indices]]
-    for i in sorted(range(len(spans)), key=lambda i: _work(spans[i][3], spans[i][1]), reverse=True):
+@functools.cache
+def _say_whole_rows() -> None:
+    logger.info(
+        "shared_prefix: packing whole rows for micro-batches where sharing is predicted to cost more than it "
+        "saves (short prompts; grpo_fast.packing.cost); said once"
+    )
+
+
+def _calls(spans: list, cost: PackCost) -> list:
+    """``[[prefix width, query width, [span indices]]]``: ``spans`` (see :func:`attention_grids`)
+    split into SDPA calls, first-fit, largest first. A call takes a span of its kind (causal, or
+    after a prefix: a causal grid takes no mask, a prefixed one needs it) where the call padded
+    to take it is predicted to cost less than the span's own call (``cost``): a call has a fixed
+    cost, so short spans share one, but a grid's padding costs too, so unlike lengths do not
+    (one grid over rows of 20 to 300 tokens spent 4x the attention of a call per row on CPU,
+    benchmarks/NOTES.md, "Attention on grids of like length")."""
+
+    def seconds(rows, prefix, length):
+        return cost.call_seconds(rows, length, prefix + length, prefix > 0)
+
+    calls = []
+    for i in sorted(range(len(spans)), key=lambda i: spans[i][1] * (spans[i][1] + spans[i][3]), reverse=True):
         _, length, _, prefix = spans[i]
         if length == 0:
             continue
         for call in calls:
-            if (call[0] > 0) != (prefix > 0):  # a causal grid takes no mask, a prefixed one needs it
+            if (call[0] > 0) != (prefix > 0):
                 continue
-            P, R = max(call[0], prefix), max(call[1], length)
-            own = call[2] + _work(prefix, length)
-            if (len(call[3]) + 1) * _work(P, R) <= SLACK * own + call_cost:
-                call[:3] = P, R, own
-                call[3].append(i)
+            P, R, rows = max(call[0], prefix), max(call[1], length), len(call[2])
+            if seconds(rows + 1, P, R) <= seconds(rows, call[0], call[1]) + seconds(1, prefix, length):
+                call[:2] = P, R
+                call[2].append(i)
                 break
         else:
-            calls.append([prefix, length, _work(prefix, length), [i]])
+            calls.append([prefix, length, [i]])
+    return calls
+
+
+def _call_shapes(calls: list) -> list:
+    """:meth:`PackCost.seconds`'s ``(rows, queries, keys, masked)`` of :func:`_calls`' calls."""
+    return [(len(members), R, P + R, P > 0) for P, R, members in calls]
+
+
+def attention_grids(spans: list, total: int, device, cost: PackCost | None = None) -> Grids:
+    """The :class:`Grids` that attend a pack of ``total`` tokens on ``device``. ``spans``: per
+    query span ``(start, length, prefix start, prefix length)`` in packed positions, a prefix
+    length of 0 for a span that attends causally to itself alone (a whole row, a shared
+    prompt), else to its prefix and causally to itself (a completion after its shared prompt).
+    Every packed token is in exactly one span. The calls are :func:`_calls`' under ``cost``
+    (None: :meth:`PackCost.reference` on ``device``)."""
+    if sum(length for _, length, _, _ in spans) != total:
+        raise ValueError(f"spans must hold each of the {total} packed tokens once, got {spans}")
+    calls = _calls(spans, cost or PackCost.reference(device))
     last, arange = max(total - 1, 0), torch.arange
     grids, query_reads, key_reads = [], [arange(0)], [arange(0)]
     slots, offset = torch.empty(total, dtype=torch.long), 0
-    for P, R, _, members in calls:
+    for P, R, members in calls:
         columns = zip(*(spans[i] for i in members))
         starts, lengths, prefix_starts, prefixes = (torch.tensor(column) for column in columns)
         queries = (starts[:, None] + arange(R)).clamp(max=last)  # [r, R]
@@ -358,18 +416,13 @@ def whole_row_spans(lengths: list) -> list:
     return [(start, length, 0, 0) for start, length in zip(itertools.accumulate(lengths, initial=0), lengths)]
 
 
-def _work(prefix: int, length: int) -> int:
-    """A span's attention work, queries x keys (causal or not, SDPA scales alike)."""
-    return length * (prefix + length)
-
-
 def pack_by_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int, **options):
     """Rows input_ids and attention_mask [N, P + C] (the last C = ``num_completion_tokens``
     columns the completions) packed in one micro-batch, the rows with equal prompts sharing
     theirs wherever they are in the batch (a shuffled batch's groups): they are packed as runs
     of equal prompts, and the pack's ``grid`` maps its tokens back to the given rows, so that
     :func:`to_grid` writes [N, C] in the caller's order. Whole rows when no prompt repeats.
-    ``options``: :func:`pack`'s ``padded_positions``."""
+    ``options``: :func:`pack`'s ``padded_positions`` and ``cost``."""
     N, P = input_ids.shape[0], input_ids.shape[1] - num_completion_tokens
     _, key = torch.unique(_prompt_keys(input_ids, attention_mask, P), dim=0, return_inverse=True)
     order = torch.argsort(key, stable=True)
@@ -402,6 +455,7 @@ def pack_micro_batches(
     max_rows,
     group_size: int | None = None,
     attention: str = "sdpa",
+    cost: PackCost | None = None,
 ) -> list:
     """A padded rollout's rows (input_ids and attention_mask [N, P + C]) packed into the
     :func:`micro_batches` of at most ``max_tokens`` tokens and ``max_rows`` rows, one read of
@@ -410,7 +464,8 @@ def pack_micro_batches(
     :func:`pack`; rows of a group whose prompts differ, which a custom rollout source may
     give, pack as runs of equal prompts). A function of the tokens and the limits alone, so
     that a rollout worker packs a batch as the trainer will. The micro-batches are the same
-    rows either way (the budget counts every row's prompt). ``attention``: :func:`pack`'s."""
+    rows either way (the budget counts every row's prompt). ``attention`` and ``cost``:
+    :func:`pack`'s."""
     lengths = row_lengths(attention_mask, num_completion_tokens, input_ids if group_size else None, group_size)
     groups = None
     if group_size is not None:  # a unit: a run of a group's rows with one prompt (a GRPO group has one)
@@ -426,6 +481,7 @@ def pack_micro_batches(
             lengths[rows],
             groups and groups[rows],
             attention=attention,
+            cost=cost,
         )
         for rows in slices
     ]

@@ -1,7 +1,7 @@
 """How a run packs its rollouts: the layout a run's model takes (the layout itself, and the
 attention that runs it, are :mod:`grpo_fast.packing`'s)."""
 
-from grpo_fast.packing import pack_micro_batches, shared_layout_blocker
+from grpo_fast.packing import PackCost, pack_micro_batches, shared_layout_blocker
 
 
 def shared_group_size(config, model) -> int | None:
@@ -16,8 +16,9 @@ def shared_group_size(config, model) -> int | None:
 def pack_rollout(input_ids, attention_mask, num_completion_tokens: int, config, model) -> list:
     """A rollout packed as a run packs it for ``model``: :func:`pack_micro_batches` under the
     config's token and row limits, each group's prompt once where :func:`shared_group_size`
-    says so, attended by the config's ``attention_kernel``. The trainer and the rollout worker
-    both pack with it, so their packs agree."""
+    says so and :class:`PackCost` predicts it pays, attended by the config's
+    ``attention_kernel``. The trainer and the rollout worker both pack with it, so their packs
+    agree."""
     return pack_micro_batches(
         input_ids,
         attention_mask,
@@ -26,4 +27,5 @@ def pack_rollout(input_ids, attention_mask, num_completion_tokens: int, config, 
         config.micro_batch_size,
         shared_group_size(config, model),
         config.attention_kernel,
+        PackCost.of(model, input_ids.device),
     )
