@@ -1,0 +1,53 @@
+"""Ulysses sequence parallelism (grpo_fast/packing/sequence_parallel.py): two gloo ranks share
+one packed row and give one rank's logits, log-probs and every parameter gradient, in float64
+to 1e-10, for whole rows and for a shared-prefix pack whose group straddles the ranks' shards;
+grouped-query heads (2 key/value heads of 4) and one key/value head (repeated) alike. The
+exchange moves values exactly and is its own backward's inverse; a model whose heads do not
+divide by the degree is refused with an error that names ``sequence_parallel``.
+"""
+
+import os
+
+import _sequence_parallel_worker as worker
+import pytest
+import torch
+from conftest import TESTS, max_err, start_child, torchrun_command
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("float64_norms")]
+
+
+def straddles(packed, ranks: int) -> bool:
+    """Whether a unit (a row, or a group's prompt and completions) of ``packed`` holds tokens on
+    both sides of a boundary between two ranks' shards."""
+    length = -(-packed.input_ids.shape[1] // ranks)
+    cu = packed.cu_seqlens.tolist()
+    return any(start < b < end for start, end in zip(cu, cu[1:]) for b in range(length, cu[-1], length))
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert max_err(got["logits"], want["logits"]) < 1e-10
+    assert max_err(got["logprobs"], want["logprobs"]) < 1e-10
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, grad in want["grads"].items():
+        assert grad.norm() > 0, name
+        assert max_err(got["grads"][name], grad) < 1e-10, name
+
+
+def test_two_ranks_give_one_ranks_logits_logprobs_and_gradients(tmp_path):
+    out = tmp_path / "out.pt"
+    packs = worker.cases()
+    assert packs["shared"].prefix is not None and straddles(packs["shared"], 2)
+    assert all(p.input_ids.shape[1] % 2 for p in packs.values())  # the last shard carries padding
+    with start_child(torchrun_command(os.path.join(TESTS, "_sequence_parallel_worker.py"), str(out))) as proc:
+        model = worker.tiny_llama()
+        wants = {name: worker.run_case(model, packed) for name, packed in packs.items()}
+        mqa = worker.run_case(worker.tiny_llama(kv_heads=1), packs["shared"])
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    two = torch.load(out, weights_only=False)
+
+    for name, want in wants.items():
+        assert_same(two[name], want)
+    assert_same(two["mqa"], mqa)
+    assert two["exchange"] == dict(forward=True, backward=True, inverse=True)
+    assert "sequence_parallel=2 must divide the model's attention heads" in two["heads_error"]
+    assert "3 query heads and 3 key/value heads" in two["heads_error"]
