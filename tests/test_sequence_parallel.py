@@ -3,7 +3,9 @@ one packed row and give one rank's logits, log-probs and every parameter gradien
 to 1e-10, for whole rows and for a shared-prefix pack whose group straddles the ranks' shards;
 grouped-query heads (2 key/value heads of 4) and one key/value head (repeated) alike. The
 exchange moves values exactly and is its own backward's inverse; a model whose heads do not
-divide by the degree is refused with an error that names ``sequence_parallel``.
+divide by the degree is refused with an error that names ``sequence_parallel``, and so is a
+degree that is no positive int or does not divide the world size. The trainer's passes under
+``--sequence-parallel 2`` are checked against one process in tests/test_distributed.py.
 """
 
 import os
@@ -13,7 +15,9 @@ import pytest
 import torch
 from conftest import TESTS, max_err, start_child, torchrun_command
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("float64_norms")]
+from grpo_fast.cli import build_parser, dashed, make_config
+from grpo_fast.trainer import GRPOConfig
+from grpo_fast.trainer.distributed import Ranks
 
 
 def straddles(packed, ranks: int) -> bool:
@@ -33,6 +37,8 @@ def assert_same(got: dict, want: dict) -> None:
         assert max_err(got["grads"][name], grad) < 1e-10, name
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("float64_norms")
 def test_two_ranks_give_one_ranks_logits_logprobs_and_gradients(tmp_path):
     out = tmp_path / "out.pt"
     packs = worker.cases()
@@ -51,3 +57,17 @@ def test_two_ranks_give_one_ranks_logits_logprobs_and_gradients(tmp_path):
     assert two["exchange"] == dict(forward=True, backward=True, inverse=True)
     assert "sequence_parallel=2 must divide the model's attention heads" in two["heads_error"]
     assert "3 query heads and 3 key/value heads" in two["heads_error"]
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True])
+def test_sequence_parallel_must_be_a_positive_int(value):
+    with pytest.raises(ValueError, match="sequence_parallel must be an int >= 1"):
+        GRPOConfig(sequence_parallel=value).validate()
+
+
+def test_the_flag_sets_the_degree_which_must_divide_the_world_size():
+    args = build_parser().parse_args(dashed(["train", "--sequence-parallel", "2"]))
+    assert make_config(args).sequence_parallel == 2
+    with pytest.raises(ValueError, match="sequence_parallel=2 must divide the world size 1"):
+        Ranks(torch.device("cpu"), 2)  # one process, no torchrun
+    assert Ranks(torch.device("cpu")).data_size == 1
