@@ -8,12 +8,14 @@ degree that is no positive int or does not divide the world size. The trainer's 
 ``--sequence-parallel 2`` are checked against one process in tests/test_distributed.py.
 """
 
+import json
 import os
+import sys
 
 import _sequence_parallel_worker as worker
 import pytest
 import torch
-from conftest import TESTS, max_err, start_child, torchrun_command
+from conftest import TESTS, assert_rows_close, max_err, run_child, start_child, torchrun_command
 
 from grpo_fast.cli import build_parser, dashed, make_config
 from grpo_fast.trainer import GRPOConfig
@@ -57,6 +59,24 @@ def test_two_ranks_give_one_ranks_logits_logprobs_and_gradients(tmp_path):
     assert two["exchange"] == dict(forward=True, backward=True, inverse=True)
     assert "sequence_parallel=2 must divide the model's attention heads" in two["heads_error"]
     assert "3 query heads and 3 key/value heads" in two["heads_error"]
+
+
+def metrics_of(folder) -> list:
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_a_torchrun_job_of_one_sequence_group_trains_as_one_process(tmp_path):
+    """The command line on two ranks, one sequence group: generation, rewards, every pass and
+    the metrics line of each step are one process's (float32), and rank 0 alone writes them."""
+    train = ["-m", "grpo_fast", "train", "--steps", "2", "--no-progress", "--save-every", "0"]
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    proc = run_child(torchrun_command(*train, "--sequence-parallel", "2", "--output", two), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    proc = run_child([sys.executable, *train, "--output", one], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert_rows_close(metrics_of(two), metrics_of(one), rel=1e-4)
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, True])
