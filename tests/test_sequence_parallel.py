@@ -11,6 +11,7 @@ degree that is no positive int or does not divide the world size. The trainer's 
 import json
 import os
 import sys
+import types
 
 import _sequence_parallel_worker as worker
 import pytest
@@ -18,8 +19,10 @@ import torch
 from conftest import TESTS, assert_rows_close, max_err, run_child, start_child, torchrun_command
 
 from grpo_fast.cli import build_parser, dashed, make_config
+from grpo_fast.spec import LossConfig
 from grpo_fast.trainer import GRPOConfig
 from grpo_fast.trainer.distributed import Ranks
+from grpo_fast.trainer.model.packed_policy import PackedPolicy
 
 
 def straddles(packed, ranks: int) -> bool:
@@ -58,7 +61,7 @@ def test_two_ranks_give_one_ranks_logits_logprobs_and_gradients(tmp_path):
     assert_same(two["mqa"], mqa)
     assert two["exchange"] == dict(forward=True, backward=True, inverse=True)
     assert "sequence_parallel=2 must divide the model's attention heads" in two["heads_error"]
-    assert "3 query heads and 3 key/value heads" in two["heads_error"]
+    assert "it has 3 query heads and 3 key/value heads" in two["heads_error"]
 
 
 def metrics_of(folder) -> list:
@@ -91,3 +94,10 @@ def test_the_flag_sets_the_degree_which_must_divide_the_world_size():
     with pytest.raises(ValueError, match="sequence_parallel=2 must divide the world size 1"):
         Ranks(torch.device("cpu"), 2)  # one process, no torchrun
     assert Ranks(torch.device("cpu")).data_size == 1
+
+
+def test_the_trainers_policy_refuses_heads_the_degree_does_not_divide_before_any_pass():
+    runtime = types.SimpleNamespace(ranks=types.SimpleNamespace(sequence_parallel=2))
+    with pytest.raises(ValueError, match="sequence_parallel=2 must divide the model's attention heads: it has 3"):
+        PackedPolicy(worker.tiny_llama(heads=3, kv_heads=3, hidden=48), LossConfig(), runtime)
+    PackedPolicy(worker.tiny_llama(kv_heads=1), LossConfig(), runtime)  # one key/value head: repeated

@@ -36,7 +36,13 @@ from grpo_fast.packing.layout import (
     row_lengths,
     to_grid,
 )
-from grpo_fast.packing.sequence_parallel import Shard, gather_tokens, sequence_shard, ulysses_all_to_all
+from grpo_fast.packing.sequence_parallel import (
+    Shard,
+    check_heads,
+    gather_tokens,
+    sequence_shard,
+    ulysses_all_to_all,
+)
 
 __all__ = [
     "ATTENTIONS",
@@ -47,6 +53,7 @@ __all__ = [
     "Shard",
     "SharedPrefix",
     "attention_grids",
+    "check_heads",
     "gather_tokens",
     "micro_batches",
     "pack",

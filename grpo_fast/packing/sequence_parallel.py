@@ -124,6 +124,17 @@ def ulysses_all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: i
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
+def check_heads(size: int, heads: int, kv_heads: int) -> None:
+    """ValueError unless ``size`` (the sequence-parallel degree) divides the ``heads`` query
+    heads, which the all-to-all splits over the group (``kv_heads`` named in the message; they
+    need not divide, see :func:`ulysses_attention`)."""
+    if heads % size:
+        raise ValueError(
+            f"sequence_parallel={size} must divide the model's attention heads: it has {heads} query heads and "
+            f"{kv_heads} key/value heads"
+        )
+
+
 def ulysses_attention(attend, shard: Shard, module, query, key, value, attention_mask, *args, **kwargs):
     """``attend`` (a transformers attention function of the whole pack, such as
     ``packed_sdpa``) run on this rank's :class:`Shard`: query [1, H, T, d], key and value
@@ -131,11 +142,7 @@ def ulysses_attention(attend, shard: Shard, module, query, key, value, attention
     swapped back. Returns ([1, T, H, d], None), as ``attend`` would for the shard's tokens.
     Raises ValueError when the heads do not divide by the group's size N (``sequence_parallel``)."""
     size, heads, kv_heads = dist.get_world_size(shard.group), query.shape[1], key.shape[1]
-    if heads % size:
-        raise ValueError(
-            f"sequence_parallel={size} must divide the model's attention heads: this layer has {heads} query heads "
-            f"and {kv_heads} key/value heads"
-        )
+    check_heads(size, heads, kv_heads)
     if kv_heads % size:  # grouped-query heads a rank cannot split: each query head gets its own copy
         key, value = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (key, value))
     # [1, h, T, d] -> [1, h/N, N*T, d] -> the real S tokens (the last shard's padding dropped)

@@ -24,6 +24,7 @@ from grpo_fast.outputs import LossOutput
 from grpo_fast.packing import (
     Packed,
     Shard,
+    check_heads,
     gather_tokens,
     pack,
     packed_hidden,
@@ -89,6 +90,11 @@ class PackedPolicy(torch.nn.Module):
         super().__init__()
         self.policy = use_packed_attention(policy)
         self.loss_config, self.runtime, self.entropy = loss_config, runtime, entropy
+        if runtime.ranks.sequence_parallel > 1:  # refused before the first rollout, not at the first pass
+            base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # peft
+            text = base.config.get_text_config()
+            heads = text.num_attention_heads
+            check_heads(runtime.ranks.sequence_parallel, heads, getattr(text, "num_key_value_heads", None) or heads)
 
     def forward(
         self,
