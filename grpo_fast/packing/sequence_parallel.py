@@ -2,8 +2,8 @@
 
 A long packed row (``layout.py``) holds S tokens; its activations, layer after layer, grow with
 S. Under sequence parallelism of degree N each rank of a group runs the model on 1/N of the
-row's tokens: a contiguous shard of T = ceil(S / N) positions (:func:`sequence_shard`; the last rank's
-tail padded with token 0 at position 0, which nothing reads). Every layer but attention works
+row's tokens: a contiguous shard of T = ceil(S / N) positions (:func:`sequence_shard`; the last
+rank's tail padded with token 0 at position 0, which nothing reads). Every layer but attention works
 token by token, so it runs on the shard as it would on the whole row; rotary embeddings take
 each token's own position, which a packed row carries (restarting at each sequence).
 
@@ -12,16 +12,17 @@ Jacobs et al. 2023): an all-to-all turns the shard's queries, keys and values [1
 all heads of T tokens, into [1, H/N, N*T, d], H/N heads of every token; the pack's own
 attention (``attention.packed_sdpa``: whole rows, shared prefixes, FlexAttention) runs there on
 the whole row as on one rank, since every rank knows the whole layout; a second all-to-all
-swaps back. Two all-to-alls of the layer's q, k, v and output per layer, each 1/N of them per
-rank, instead of a gather of all keys: communication per rank falls as N grows. The price: the
-heads must divide by N (grouped-query key/value heads that do not are repeated to the query
-heads first, which costs more communication but is exact).
+swaps back. Four exchanges a layer (q, k and v in, the output back), each moving about 1/N of
+that tensor per rank, instead of a gather of every key: a rank's traffic falls as N grows. The
+price: the heads must divide by N (grouped-query key/value heads that do not are repeated to
+the query heads first, which costs more communication but is exact).
 
 The LM head runs, on each rank, at its shard's positions that predict a completion token
 (:attr:`Shard.logit_index`; a shared prefix's last prompt token predicts each of its group's
 first completion tokens, wherever they lie). The per-token results are small ([Nc] log-probs),
 so :func:`gather_tokens` sums them into the whole pack's on every rank, and every rank then
-computes the same loss as one rank would, with the same normalizers: no loss code changes.
+computes the same loss as one rank would, with the same normalizers: no loss code changes
+(summing each normalizer over the group instead would touch every loss type's aggregation).
 Its backward hands each rank the gradient of its own tokens (the identity, not a second sum:
 every rank holds the whole loss), so a parameter's gradient on a rank is its tokens' share,
 and the sum over the group's ranks, which DDP or FSDP2 take with the data-parallel ranks' in
