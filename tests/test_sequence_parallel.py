@@ -19,6 +19,7 @@ import torch
 from conftest import TESTS, assert_rows_close, max_err, run_child, start_child, torchrun_command
 
 from grpo_fast.cli import build_parser, dashed, make_config
+from grpo_fast.packing import pack, sequence_shard
 from grpo_fast.spec import LossConfig
 from grpo_fast.trainer import GRPOConfig
 from grpo_fast.trainer.distributed import Ranks
@@ -101,3 +102,31 @@ def test_the_trainers_policy_refuses_heads_the_degree_does_not_divide_before_any
     with pytest.raises(ValueError, match="sequence_parallel=2 must divide the model's attention heads: it has 3"):
         PackedPolicy(worker.tiny_llama(heads=3, kv_heads=3, hidden=48), LossConfig(), runtime)
     PackedPolicy(worker.tiny_llama(kv_heads=1), LossConfig(), runtime)  # one key/value head: repeated
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_shards_hold_every_token_once_and_each_completion_token_on_its_predictors_rank(monkeypatch, size):
+    """Each degree's shards, rank by rank (the group's size and rank faked): their tokens are the
+    pack's, padded at the end only; every completion token is predicted on exactly one rank, at
+    its predicting position. Also a 2-token row (a filler) on more ranks than it has tokens."""
+    import torch.distributed as dist
+
+    filler_ids = torch.zeros(1, 2, dtype=torch.long)
+    packs = [*worker.cases().values(), pack(filler_ids, torch.ones_like(filler_ids), 1, slice(0, 1))]
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: size)
+    for packed in packs:
+        shards = []
+        for rank in range(size):
+            monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+            shards.append(sequence_shard(packed, None))
+        S, T = packed.input_ids.shape[1], shards[0].length
+        assert T * size >= S > T * (size - 1) or S < size
+        assert all(part.input_ids.shape == part.position_ids.shape == (1, T) for part in shards)
+        ids = torch.cat([part.input_ids for part in shards], 1)
+        positions = torch.cat([part.position_ids for part in shards], 1)
+        assert torch.equal(ids[:, :S], packed.input_ids) and not ids[:, S:].any()
+        assert torch.equal(positions[:, :S], packed.position_ids) and not positions[:, S:].any()
+        tokens = torch.cat([part.tokens for part in shards])
+        assert torch.equal(tokens.sort().values, torch.arange(packed.targets.shape[1]))
+        for part in shards:
+            assert torch.equal(part.start + part.logit_index, packed.logit_index[part.tokens])

@@ -3,7 +3,7 @@
 A long packed row (``layout.py``) holds S tokens; its activations, layer after layer, grow with
 S. Under sequence parallelism of degree N each rank of a group runs the model on 1/N of the
 row's tokens: a contiguous shard of T = ceil(S / N) positions (:func:`sequence_shard`; the last
-rank's tail padded with token 0 at position 0, which nothing reads). Every layer but attention works
+ranks' tail padded with token 0 at position 0, which nothing reads). Every layer but attention works
 token by token, so it runs on the shard as it would on the whole row; rotary embeddings take
 each token's own position, which a packed row carries (restarting at each sequence).
 
@@ -67,10 +67,10 @@ def sequence_shard(packed: Packed, group: dist.ProcessGroup) -> Shard:
     total = packed.input_ids.shape[1]
     length = max(1, math.ceil(total / size))
     start = rank * length
-    pad = max(0, start + length - total)
 
-    def tokens(x):  # [1, S] -> this rank's [1, T], padded with 0
-        return torch.nn.functional.pad(x[:, start : start + length], (0, pad))
+    def tokens(x):  # [1, S] -> this rank's [1, T], padded with 0 (a row shorter than N: whole shards)
+        part = x[:, start : start + length]
+        return torch.nn.functional.pad(part, (0, length - part.shape[1]))
 
     ours = (packed.logit_index >= start) & (packed.logit_index < start + length)
     index = torch.nonzero(ours).squeeze(1)  # a read to the host: the count sizes the LM head's rows
