@@ -22,7 +22,7 @@ from grpo_fast.cli import build_parser, dashed, make_config
 from grpo_fast.packing import pack, sequence_shard
 from grpo_fast.spec import LossConfig
 from grpo_fast.trainer import GRPOConfig
-from grpo_fast.trainer.distributed import Ranks
+from grpo_fast.trainer.distributed import Ranks, sequence_layout
 from grpo_fast.trainer.model.packed_policy import PackedPolicy
 
 
@@ -130,3 +130,18 @@ def test_shards_hold_every_token_once_and_each_completion_token_on_its_predictor
         assert torch.equal(tokens.sort().values, torch.arange(packed.targets.shape[1]))
         for part in shards:
             assert torch.equal(part.start + part.logit_index, packed.logit_index[part.tokens])
+
+
+@pytest.mark.parametrize("world, size", [(2, 2), (8, 2), (8, 4), (12, 3)])
+def test_sequence_and_data_parallel_groups_compose(world, size):
+    """Each rank is in one sequence group of consecutive ranks and one data-parallel group; a
+    sequence group's ranks are at one data rank (they hold the same rows), and a data-parallel
+    group lists its ranks in data-rank order."""
+    sequence, data = sequence_layout(world, size)
+    for groups, count, length in ((sequence, world // size, size), (data, size, world // size)):
+        assert len(groups) == count and all(len(g) == length for g in groups)
+        assert sorted(r for g in groups for r in g) == list(range(world))
+    for group in sequence:
+        assert group == list(range(group[0], group[0] + size)) and len({r // size for r in group}) == 1
+    for group in data:
+        assert [r // size for r in group] == list(range(world // size))

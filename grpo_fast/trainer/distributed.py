@@ -121,6 +121,16 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def sequence_layout(world_size: int, sequence_parallel: int) -> tuple:
+    """``(sequence groups, data-parallel groups)`` of a job, lists of ranks: N =
+    ``sequence_parallel`` consecutive ranks a sequence group (the ranks most likely on one node,
+    where the all-to-alls run), and the ranks of one place in their groups a data-parallel
+    group, in rank order (a rank's index in it is ``rank // N``, its ``data_rank``)."""
+    sequence = [list(range(first, first + sequence_parallel)) for first in range(0, world_size, sequence_parallel)]
+    data = [list(range(place, world_size, sequence_parallel)) for place in range(sequence_parallel)]
+    return sequence, data
+
+
 class Ranks:
     """This process's place in the job and the collectives the trainer uses. Tensors travel
     on ``device`` (NCCL reduces CUDA tensors only) and come back where they were.
@@ -144,10 +154,9 @@ class Ranks:
         self.data_rank, self.data_size = self.rank // sequence_parallel, self.world_size // sequence_parallel
         self.sequence_group = self._data_group = None
         if sequence_parallel > 1:  # every rank makes every group, in one order
-            self.sequence_group, _ = dist.new_subgroups(sequence_parallel)
-            self._data_group, _ = dist.new_subgroups_by_enumeration(
-                [list(range(place, self.world_size, sequence_parallel)) for place in range(sequence_parallel)]
-            )
+            sequence, data = sequence_layout(self.world_size, sequence_parallel)
+            self.sequence_group, _ = dist.new_subgroups_by_enumeration(sequence)
+            self._data_group, _ = dist.new_subgroups_by_enumeration(data)
 
     @property
     def is_main(self) -> bool:
