@@ -86,7 +86,7 @@ def setup(device: torch.device, timeout_s: float, sequence_parallel: int = 1) ->
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
-    return Ranks(device, sequence_parallel)
+    return Ranks(device, sequence_parallel, timeout_s)
 
 
 # Bound methods (weakly held) that shutdown() calls first: an in-process engine that made
@@ -138,9 +138,10 @@ class Ranks:
     ``rank`` and ``world_size`` count processes. With ``sequence_parallel`` N > 1 (see the
     module docstring) ``sequence_group`` is this rank's group of N (None at N = 1), and the
     batch's collectives go over its data-parallel group: ``data_rank`` of ``data_size``
-    (``rank // N`` of ``world_size / N``)."""
+    (``rank // N`` of ``world_size / N``); their collectives time out after ``timeout_s``, as
+    the job's (None: torch's default)."""
 
-    def __init__(self, device: torch.device, sequence_parallel: int = 1):
+    def __init__(self, device: torch.device, sequence_parallel: int = 1, timeout_s: float | None = None):
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
@@ -154,9 +155,10 @@ class Ranks:
         self.data_rank, self.data_size = self.rank // sequence_parallel, self.world_size // sequence_parallel
         self.sequence_group = self._data_group = None
         if sequence_parallel > 1:  # every rank makes every group, in one order
+            timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
             sequence, data = sequence_layout(self.world_size, sequence_parallel)
-            self.sequence_group, _ = dist.new_subgroups_by_enumeration(sequence)
-            self._data_group, _ = dist.new_subgroups_by_enumeration(data)
+            self.sequence_group, _ = dist.new_subgroups_by_enumeration(sequence, timeout=timeout)
+            self._data_group, _ = dist.new_subgroups_by_enumeration(data, timeout=timeout)
 
     @property
     def is_main(self) -> bool:
