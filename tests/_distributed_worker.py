@@ -105,14 +105,14 @@ def case_gradients(case: dict, fixed: tuple, output_dir: str) -> dict:
     rows of the fixed samples (``case["split"]``: rows per rank), from the step's batch that
     ``prepare`` builds (advantages over every rank's rewards, reference log-probs, micro-batches):
     the whole gradient (gathered from the shards under FSDP2) and the pass's metrics, summed
-    over ranks."""
+    over ranks. The split is per data-parallel rank: a sequence group's ranks take the same rows."""
     trainer = trainer_for(case, output_dir)
     ranks = trainer.runtime.ranks
     samples, old = fixed
     start, stop = 0, samples.input_ids.shape[0]
-    if ranks.world_size > 1:
-        start = sum(case["split"][: ranks.rank])
-        stop = start + case["split"][ranks.rank]
+    if ranks.data_size > 1:
+        start = sum(case["split"][: ranks.data_rank])
+        stop = start + case["split"][ranks.data_rank]
     batch = trainer.prepare(rows_of(samples, start, stop))
     result = trainer.accumulate_gradients(batch, Proximal(old[start:stop], None, {}))
     sums = read_metrics([result.metrics], ranks, trainer.runtime.device)[0]
@@ -150,6 +150,10 @@ def main(job_path: str, out_path: str) -> None:
         trainer_for(dict(config=dict(batch_size=12)), scratch)  # 3 prompts a step: not divisible by 2 ranks
     except ValueError as exc:
         results["rank_errors"] = str(exc)
+    try:
+        trainer_for(dict(config=dict(sequence_parallel=3)), scratch)
+    except ValueError as exc:
+        results["sequence_error"] = str(exc)
     results["dynamic"] = dynamic_sampling_step(scratch)
     results["lora"] = lora_run("fsdp", job["lora_dir"])
     if rank() == 0:

@@ -69,7 +69,16 @@ def gradient_cases() -> list:
         case(advantage_scale="batch")  # the batch std is the global batch's
         case(lora_r=4, gradient_checkpointing=True)
         case(shared_prefix=False)  # every row whole (the cases above share each group's prompt)
+        # both ranks one sequence group: each runs the whole batch's rows on half their tokens
+        case(split=(16,), sequence_parallel=2)
+        case(split=(16,), sequence_parallel=2, loss_type="dapo", fused_linear=True, gradient_checkpointing=True)
     return cases
+
+
+def one_process(case: dict) -> dict:
+    """``case`` as one process runs it: no parallelism of any kind (it would change nothing)."""
+    config = {k: v for k, v in case["config"].items() if k not in ("parallel", "sequence_parallel")}
+    return dict(case, config=config)
 
 
 def test_world_size_2_gives_the_gradients_of_world_size_1(tmp_path, float64_norms):
@@ -88,8 +97,8 @@ def test_world_size_2_gives_the_gradients_of_world_size_1(tmp_path, float64_norm
     torch.save(dict(cases=cases, fixed=fixed, lora_dir=lora_dir), job)
     with start_child(torchrun_command(os.path.join(TESTS, "_distributed_worker.py"), str(job), str(out))) as proc:
         wants = {}  # world size 1: the parallelism makes no difference
-        for case in cases:
-            key = (case["batch"], repr(sorted((k, v) for k, v in case["config"].items() if k != "parallel")))
+        for case in map(one_process, cases):
+            key = (case["batch"], repr(sorted(case["config"].items())))
             if key not in wants:
                 wants[key] = worker.case_gradients(case, fixed[case["batch"]], str(tmp_path))
         one = worker.dynamic_sampling_step(str(tmp_path))
@@ -98,7 +107,8 @@ def test_world_size_2_gives_the_gradients_of_world_size_1(tmp_path, float64_norm
     two = torch.load(out, weights_only=False)
 
     for case, got in zip(cases, two["cases"]):
-        want = wants[(case["batch"], repr(sorted((k, v) for k, v in case["config"].items() if k != "parallel")))]
+        single = one_process(case)
+        want = wants[(single["batch"], repr(sorted(single["config"].items())))]
         tolerance = 1e-10 if case["batch"] == "float64" else 1e-5
         assert want["grads"].norm() > 0
         assert rel_err(got["grads"], want["grads"]) < tolerance, case
@@ -110,6 +120,7 @@ def test_world_size_2_gives_the_gradients_of_world_size_1(tmp_path, float64_norm
 
     assert "batch_size=12 gives 3 prompts per step" in two["rank_errors"]
     assert "divisible by the world size 2" in two["rank_errors"]
+    assert "sequence_parallel=3 must divide the world size 2" in two["sequence_error"]
 
     assert one["groups_dropped"] >= 1 and one["sampling_rounds"] >= 2
     assert_rows_close([two["dynamic"]], [one], rel=1e-5)

@@ -9,6 +9,9 @@ prompt once, and the attention that keeps each to itself.
     attention.py  :func:`packed_sdpa` (whole rows and shared prefixes), the attention a model
                   is set to once (:func:`use_packed_attention`), the packed forwards
                   :func:`packed_logits` and :func:`packed_hidden`, what cannot take the layout
+    sequence_parallel.py  Ulysses sequence parallelism: a pack's tokens across a group of
+                  ranks (:func:`sequence_shard`), the all-to-all around its attention, the
+                  per-token results gathered back (:func:`gather_tokens`)
 
 The trainer and the TRL drop-in both pack with it; it imports nothing of theirs.
 """
@@ -36,6 +39,13 @@ from grpo_fast.packing.layout import (
     row_lengths,
     to_grid,
 )
+from grpo_fast.packing.sequence_parallel import (
+    Shard,
+    check_heads,
+    gather_tokens,
+    sequence_shard,
+    ulysses_all_to_all,
+)
 
 __all__ = [
     "ATTENTIONS",
@@ -47,8 +57,11 @@ __all__ = [
     "LayerShape",
     "PackCost",
     "Packed",
+    "Shard",
     "SharedPrefix",
     "attention_grids",
+    "check_heads",
+    "gather_tokens",
     "micro_batches",
     "pack",
     "pack_by_prompt",
@@ -57,7 +70,9 @@ __all__ = [
     "packed_logits",
     "packed_sdpa",
     "row_lengths",
+    "sequence_shard",
     "shared_layout_blocker",
     "to_grid",
+    "ulysses_all_to_all",
     "use_packed_attention",
 ]

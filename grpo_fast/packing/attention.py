@@ -37,6 +37,7 @@ import sys
 import torch
 
 from grpo_fast.packing.layout import Grids, Packed, attention_grids, whole_row_spans, window_mask
+from grpo_fast.packing.sequence_parallel import Shard, ulysses_attention
 
 logger = logging.getLogger("grpo_fast")
 
@@ -98,8 +99,13 @@ def _register(original: str) -> str:
 def _attend(original: str, module, query, key, value, attention_mask, *args, **kwargs):
     """The registered attention: :func:`packed_sdpa` for a call whose keywords carry a pack's
     grids or block mask (``_packed_inputs``), else the attention ``module``'s model runs under
-    ``original``. Shapes as :func:`packed_sdpa`'s (transformers' attention functions')."""
+    ``original``. Shapes as :func:`packed_sdpa`'s (transformers' attention functions'); a call
+    whose keywords carry a ``sequence_shard`` (sequence parallelism) attends the whole pack across
+    its group (``sequence_parallel.ulysses_attention``) and returns its shard's outputs."""
     if kwargs.get("packed_grids") is not None or kwargs.get("flex_block_mask") is not None:
+        shard = kwargs.pop("sequence_shard", None)
+        if shard is not None:
+            return ulysses_attention(packed_sdpa, shard, module, query, key, value, attention_mask, *args, **kwargs)
         return packed_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
     return _own_attention(type(module), original)(module, query, key, value, attention_mask, *args, **kwargs)
 
@@ -256,13 +262,19 @@ def _flex(query, key, value, block_mask, dropout: float, scaling):
     return out.transpose(1, 2)
 
 
-def _packed_inputs(model, packed: Packed) -> dict:
+def _packed_inputs(model, packed: Packed, shard: Shard | None = None) -> dict:
     """The keywords of ``model``'s forward on ``packed``: the pack's ids and positions, its
     boundaries (flash-attention's varlen kernel reads them), and for :func:`packed_sdpa` the
     pack's grids or block mask, which send every attention call of the forward, and of its
-    recomputation under gradient checkpointing, to it."""
+    recomputation under gradient checkpointing, to it. With a ``shard`` (sequence parallelism),
+    the shard's ids and positions, and the shard itself for the attention."""
     cu, longest = packed.cu_seqlens, packed.max_length
     if _on_flash(model):
+        if shard is not None:
+            raise ValueError(
+                f"sequence_parallel needs attn_implementation 'sdpa' or 'eager' (the packed attention); model has "
+                f"{model.config._attn_implementation!r}"
+            )
         kernel = {}
     else:
         if model.config._attn_implementation not in _ORIGINALS:
@@ -278,9 +290,12 @@ def _packed_inputs(model, packed: Packed) -> dict:
             kernel["flex_block_mask"] = flex_block_mask(packed)
         else:
             kernel["packed_grids"] = packed.grids
+        if shard is not None:
+            kernel["sequence_shard"] = shard
+    tokens = packed if shard is None else shard
     return dict(
-        input_ids=packed.input_ids,
-        position_ids=packed.position_ids,
+        input_ids=tokens.input_ids,
+        position_ids=tokens.position_ids,
         use_cache=False,
         cu_seq_lens_q=cu,
         cu_seq_lens_k=cu,
@@ -290,14 +305,18 @@ def _packed_inputs(model, packed: Packed) -> dict:
     )
 
 
-def packed_logits(model, packed: Packed) -> torch.Tensor:
+def packed_logits(model, packed: Packed, shard: Shard | None = None) -> torch.Tensor:
     """The logits that predict the completion tokens: [1, Nc, V] (the LM head runs there only).
-    ``model`` is flash-attention's or set by :func:`use_packed_attention`."""
-    return model(**_packed_inputs(model, packed), logits_to_keep=packed.logit_index).logits
+    ``model`` is flash-attention's or set by :func:`use_packed_attention`. With a ``shard``
+    (``sequence_parallel.sequence_shard``): the model runs on the shard's tokens, and the logits are
+    those of the shard's completion tokens, [1, n, V] in the order of ``shard.tokens``."""
+    keep = packed.logit_index if shard is None else shard.logit_index
+    return model(**_packed_inputs(model, packed, shard), logits_to_keep=keep).logits
 
 
-def packed_hidden(model, packed: Packed) -> torch.Tensor:
-    """The last hidden states (after the final norm) that predict the completion tokens: [Nc, H].
-    ``model`` as for :func:`packed_logits`."""
-    hidden = model.get_decoder()(**_packed_inputs(model, packed)).last_hidden_state
-    return hidden[0, packed.logit_index]
+def packed_hidden(model, packed: Packed, shard: Shard | None = None) -> torch.Tensor:
+    """The last hidden states (after the final norm) that predict the completion tokens: [Nc, H]
+    (with a ``shard``, its [n, H], as for :func:`packed_logits`). ``model`` as for
+    :func:`packed_logits`."""
+    hidden = model.get_decoder()(**_packed_inputs(model, packed, shard)).last_hidden_state
+    return hidden[0, packed.logit_index if shard is None else shard.logit_index]

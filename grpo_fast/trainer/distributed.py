@@ -18,7 +18,17 @@ What each rank holds (``parallel``):
            the root unit); a layer's weights are gathered for its forward and backward only
 
 Both average gradients over ranks, so a rank weighs its micro-batches by ``world_size``
-times their share of the global batch (``GRPOTrainer.accumulate_gradients``). Collectives
+times their share of the global batch (``GRPOTrainer.accumulate_gradients``).
+
+Sequence parallelism (``sequence_parallel`` N, ``grpo_fast/packing/sequence_parallel.py``):
+consecutive ranks ``[k * N, (k + 1) * N)`` are a sequence group, which shares one share of the
+batch and runs each packed row's tokens split over its ranks; the ranks with one place in their
+group are a data-parallel group of ``world_size / N``. The batch's share, its sums and gathers
+(:meth:`Ranks.share`, :meth:`Ranks.sum`, :meth:`Ranks.gather_rows`) go over the data-parallel
+group, so a group's ranks, holding the same rows, count them once. DDP and FSDP2 still average
+over every rank: a rank's gradient is its tokens' share of its group's, the group's sum is the
+whole rows', and the one average over ``world_size`` ranks, with each rank's loss weighed by
+``world_size``, is the batch's gradient, as without it. Collectives
 must be called by every rank in the same order: under FSDP2 every forward all-gathers, so
 ranks run the same number of micro-batches (:meth:`Ranks.lockstep` pads the shorter lists
 with a one-token filler whose loss is multiplied by 0), and generation, whose number of
@@ -60,10 +70,11 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def setup(device: torch.device, timeout_s: float) -> "Ranks":
+def setup(device: torch.device, timeout_s: float, sequence_parallel: int = 1) -> "Ranks":
     """Joins torchrun's job (NCCL on CUDA, gloo on CPU; collectives time out after
     ``timeout_s``) unless a process group already exists, which is then used as it is.
-    Returns this process's :class:`Ranks`; a single process without torchrun gets rank 0 of 1.
+    Returns this process's :class:`Ranks` (its groups of ``sequence_parallel`` ranks made);
+    a single process without torchrun gets rank 0 of 1.
     In a job, a CUDA ``device`` becomes the process's current device (NCCL's object
     collectives and FSDP2 use it)."""
     joining = launched_by_torchrun() and not dist.is_initialized()
@@ -75,7 +86,7 @@ def setup(device: torch.device, timeout_s: float) -> "Ranks":
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
-    return Ranks(device)
+    return Ranks(device, sequence_parallel, timeout_s)
 
 
 # Bound methods (weakly held) that shutdown() calls first: an in-process engine that made
@@ -110,15 +121,44 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def sequence_layout(world_size: int, sequence_parallel: int) -> tuple:
+    """``(sequence groups, data-parallel groups)`` of a job, lists of ranks: N =
+    ``sequence_parallel`` consecutive ranks a sequence group (the ranks most likely on one node,
+    where the all-to-alls run), and the ranks of one place in their groups a data-parallel
+    group, in rank order (a rank's index in it is ``rank // N``, its ``data_rank``)."""
+    sequence = [list(range(first, first + sequence_parallel)) for first in range(0, world_size, sequence_parallel)]
+    data = [list(range(place, world_size, sequence_parallel)) for place in range(sequence_parallel)]
+    return sequence, data
+
+
 class Ranks:
     """This process's place in the job and the collectives the trainer uses. Tensors travel
-    on ``device`` (NCCL reduces CUDA tensors only) and come back where they were."""
+    on ``device`` (NCCL reduces CUDA tensors only) and come back where they were.
 
-    def __init__(self, device: torch.device):
+    ``rank`` and ``world_size`` count processes. With ``sequence_parallel`` N > 1 (see the
+    module docstring) ``sequence_group`` is this rank's group of N (None at N = 1), and the
+    batch's collectives go over its data-parallel group: ``data_rank`` of ``data_size``
+    (``rank // N`` of ``world_size / N``); their collectives time out after ``timeout_s``, as
+    the job's (None: torch's default)."""
+
+    def __init__(self, device: torch.device, sequence_parallel: int = 1, timeout_s: float | None = None):
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
         self.device = device
+        if self.world_size % sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel={sequence_parallel} must divide the world size {self.world_size}: each "
+                "sequence group is that many ranks"
+            )
+        self.sequence_parallel = sequence_parallel
+        self.data_rank, self.data_size = self.rank // sequence_parallel, self.world_size // sequence_parallel
+        self.sequence_group = self._data_group = None
+        if sequence_parallel > 1:  # every rank makes every group, in one order
+            timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+            sequence, data = sequence_layout(self.world_size, sequence_parallel)
+            self.sequence_group, _ = dist.new_subgroups_by_enumeration(sequence, timeout=timeout)
+            self._data_group, _ = dist.new_subgroups_by_enumeration(data, timeout=timeout)
 
     @property
     def is_main(self) -> bool:
@@ -126,15 +166,16 @@ class Ranks:
         return self.rank == 0
 
     def sum(self, value):
-        """The sum over ranks of a number or a tensor (same shape on every rank)."""
-        return self._all_reduce(value, dist.ReduceOp.SUM)
+        """The sum over the data-parallel ranks of a number or a tensor (same shape on every rank)."""
+        return self._all_reduce(value, dist.ReduceOp.SUM, self._data_group)
 
     def max(self, value):
         """The largest over ranks of a number or a tensor (elementwise)."""
         return self._all_reduce(value, dist.ReduceOp.MAX)
 
-    def _all_reduce(self, value, op):
-        """``value`` (a number or a tensor) reduced over ranks by ``op``, returned as it came."""
+    def _all_reduce(self, value, op, group=None):
+        """``value`` (a number or a tensor) reduced over ``group``'s ranks (None: all) by ``op``,
+        returned as it came."""
         if self.world_size == 1:
             return value
         if torch.is_tensor(value):
@@ -143,32 +184,34 @@ class Ranks:
             total = torch.tensor(
                 value, dtype=torch.float64 if isinstance(value, float) else torch.long, device=self.device
             )
-        dist.all_reduce(total, op=op)
+        dist.all_reduce(total, op=op, group=group)
         if torch.is_tensor(value):
             return total.to(value.device)
         return type(value)(total.item())
 
     def share(self, count: int) -> slice:
         """This rank's contiguous share of ``count`` items that every rank holds alike (``count``
-        divisible by the world size)."""
-        size = count // self.world_size
-        return slice(self.rank * size, (self.rank + 1) * size)
+        divisible by ``data_size``; a sequence group's ranks share one)."""
+        size = count // self.data_size
+        return slice(self.data_rank * size, (self.data_rank + 1) * size)
 
     def gather_rows(self, x: torch.Tensor) -> tuple:
-        """``(every rank's rows of x, in rank order, on x's device; the index of this rank's first
-        row)``. Ranks may hold different numbers of rows; the other dimensions must agree."""
-        if self.world_size == 1:
+        """``(every data-parallel rank's rows of x, in rank order, on x's device; the index of
+        this rank's first row)``. Ranks may hold different numbers of rows; the other dimensions
+        must agree."""
+        if self.data_size == 1:
             return x, 0
-        counts = [torch.zeros((), dtype=torch.long, device=self.device) for _ in range(self.world_size)]
-        dist.all_gather(counts, torch.tensor(len(x), device=self.device))
+        group = self._data_group
+        counts = [torch.zeros((), dtype=torch.long, device=self.device) for _ in range(self.data_size)]
+        dist.all_gather(counts, torch.tensor(len(x), device=self.device), group=group)
         counts = [int(c) for c in counts]
         wire = x.to(self.device, torch.uint8 if x.dtype == torch.bool else x.dtype)
         padded = wire.new_zeros((max(counts), *x.shape[1:]))
         padded[: len(x)] = wire
         parts = [torch.empty_like(padded) for _ in counts]
-        dist.all_gather(parts, padded)
+        dist.all_gather(parts, padded, group=group)
         rows = torch.cat([part[:n] for part, n in zip(parts, counts)]).to(x.device, x.dtype)
-        return rows, sum(counts[: self.rank])
+        return rows, sum(counts[: self.data_rank])
 
     def broadcast(self, obj):
         """Rank 0's ``obj`` on every rank (a picklable object)."""
@@ -177,6 +220,24 @@ class Ranks:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def same_in_sequence_group(self, x: torch.Tensor, what: str) -> None:
+        """ValueError unless every rank of this rank's sequence group holds the same ``x`` (a
+        checksum compared: its size, sum and position-weighted sum), which sequence parallelism
+        needs of the rollouts; nothing without sequence groups."""
+        if self.sequence_group is None:
+            return
+        values = x.detach().to(self.device, torch.float64).flatten()
+        weights = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=self.device)
+        low = torch.stack([values.new_tensor(float(values.numel())), values.sum(), (values * weights).sum()])
+        high = low.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.sequence_group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.sequence_group)
+        if not torch.equal(low, high):
+            raise ValueError(
+                f"sequence_parallel={self.sequence_parallel}: the ranks of a sequence group hold different {what}; "
+                "they must sample the same rollouts (generator='sampler' keys each sample by its prompt, not its rank)"
+            )
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -119,10 +119,10 @@ class GRPOTrainer:
         self.runtime = runtime = Runtime.start(config.devices, config.precision)
         runtime.log(config.precision)
         ranks = runtime.ranks
-        if (prompts := config.rollout.prompts_per_step) % ranks.world_size:
+        if (prompts := config.rollout.prompts_per_step) % ranks.data_size:
             raise ValueError(
-                f"batch_size={config.batch_size} gives {prompts} prompts per step (batch_size / "
-                f"group_size), which must be divisible by the world size {ranks.world_size}: each rank samples "
+                f"batch_size={config.batch_size} gives {prompts} prompts per step (batch_size / group_size), which "
+                f"must be divisible by the world size {ranks.data_size} (ranks / sequence_parallel): each rank samples "
                 "the same number of whole groups"
             )
         if config.compile_generation and config.parallel == "fsdp" and ranks.active:
@@ -163,8 +163,8 @@ class GRPOTrainer:
         self.step = self.data_position = 0
         self.output_dir = ranks.broadcast(config.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
         self.history: list = []
-        if ranks.rank:  # the model is built alike everywhere; the Hugging Face engine must not draw alike
-            set_seed(config.seed + ranks.rank)
+        if ranks.data_rank:  # the model is built alike everywhere; the Hugging Face engine must not draw alike
+            set_seed(config.seed + ranks.data_rank)  # (but a sequence group's ranks sample one share alike)
         self.strategy.attach(self)
 
     def _check_template(self, tokenizer) -> None:

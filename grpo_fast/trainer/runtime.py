@@ -71,7 +71,8 @@ class Runtime:
         ``distributed.setup``), ``precision`` decided on that device."""
         device = distributed.resolve_device(devices.device)
         bf16 = decide_precision(precision, device)
-        return cls(device, distributed.setup(device, devices.collective_timeout_s), bf16)
+        ranks = distributed.setup(device, devices.collective_timeout_s, devices.sequence_parallel)
+        return cls(device, ranks, bf16)
 
     def on(self, device, precision: str) -> "Runtime":
         """This process's runtime moved to ``device`` (a rollout worker's), ``precision`` decided

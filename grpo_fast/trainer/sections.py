@@ -332,6 +332,11 @@ class DeviceConfig(Section):
 
     device: str = option("auto", "auto = cuda when available, else cpu (under torchrun: cuda:LOCAL_RANK)")
     parallel: str = option("ddp", "under torchrun: ddp (each rank a replica) or fsdp (FSDP2: each rank a shard)")
+    sequence_parallel: int = option(
+        1,
+        "under torchrun: N > 1 splits each packed row's tokens over groups of N ranks (Ulysses; N must divide the "
+        "world size and the model's attention heads)",
+    )
     collective_timeout_s: float = option(
         1800.0, "under torchrun: a rank waiting this long for the others fails the job"
     )
@@ -339,6 +344,7 @@ class DeviceConfig(Section):
     def validate(self) -> None:
         require(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
         self.choice("parallel", PARALLEL)
+        int_at_least(self, "sequence_parallel", 1)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ Every use of the weights in a training or log-prob pass happens inside
 DDP arms its gradient reduction in the wrapper's forward, and FSDP2 gathers a unit's weights
 around its forward only, so the fused LM-head loss, which reads the head's weight itself,
 must run inside it (anywhere else that weight is one rank's shard).
+
+Under sequence parallelism (``runtime.ranks.sequence_group``) each rank of a group runs the
+forward and the LM head on its shard of the pack's tokens (``packing.sequence_shard``), and
+the per-token log-probs (and entropies) are gathered into the whole pack's on every rank of the
+group, which then computes the same loss as one rank would (``packing/sequence_parallel.py``).
 """
 
 from typing import NamedTuple
@@ -16,7 +21,18 @@ from grpo_fast import fused_linear_token_logprobs, policy_loss, token_logprobs
 from grpo_fast.ops.fused_linear_grpo_loss import fused_head_saves_memory, fused_linear_loss_with_tokens
 from grpo_fast.ops.policy import LossInputs
 from grpo_fast.outputs import LossOutput
-from grpo_fast.packing import Packed, pack, packed_hidden, packed_logits, to_grid, use_packed_attention
+from grpo_fast.packing import (
+    Packed,
+    Shard,
+    check_heads,
+    gather_tokens,
+    pack,
+    packed_hidden,
+    packed_logits,
+    sequence_shard,
+    to_grid,
+    use_packed_attention,
+)
 from grpo_fast.spec import LossConfig, SamplingCorrection, sampling_correction
 
 
@@ -74,6 +90,11 @@ class PackedPolicy(torch.nn.Module):
         super().__init__()
         self.policy = use_packed_attention(policy)
         self.loss_config, self.runtime, self.entropy = loss_config, runtime, entropy
+        if runtime.ranks.sequence_parallel > 1:  # refused before the first rollout, not at the first pass
+            base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # peft
+            text = base.config.get_text_config()
+            heads = text.num_attention_heads
+            check_heads(runtime.ranks.sequence_parallel, heads, getattr(text, "num_key_value_heads", None) or heads)
 
     def forward(
         self,
@@ -102,6 +123,13 @@ class PackedPolicy(torch.nn.Module):
         config, correction = self.loss_config, None
         head = self.policy.get_output_embeddings()
         fused_linear = fused_linear and fused_head_saves_memory(packed.targets.numel(), head.weight, self.runtime.dtype)
+        group = self.runtime.ranks.sequence_group
+        if group is not None:
+            shard = sequence_shard(packed, group)
+            logp, entropy = self._shard_logprobs(packed, shard, inputs is not None and fused_linear, inputs is not None)
+            if inputs is None:
+                return to_grid(logp.unsqueeze(0), packed)
+            return self._loss(packed, inputs, logp, entropy, behaviour)
         with self.runtime.autocast():
             if inputs is not None and fused_linear:
                 hidden = packed_hidden(self.policy, packed)
@@ -126,6 +154,34 @@ class PackedPolicy(torch.nn.Module):
             return to_grid(token_logprobs(logits, packed.targets, temperature=config.temperature), packed)
         logp = token_logprobs(logits, packed.targets, temperature=config.temperature, return_entropy=self.entropy)
         logp, entropy = (x[0] for x in logp) if self.entropy else (logp[0], None)
+        return self._loss(packed, inputs, logp, entropy, behaviour)
+
+    def _shard_logprobs(self, packed: Packed, shard: Shard, fused_linear: bool, loss: bool) -> tuple:
+        """``(log-probs [Nc], entropies [Nc] or None)`` of the whole pack, from this rank's
+        ``shard``: its forward, its tokens' LM head (with ``fused_linear`` from the hidden states,
+        never their logits), gathered over the sequence group. Entropies for a ``loss`` pass
+        that logs them."""
+        temperature, entropy = self.loss_config.temperature, loss and self.entropy
+        head = self.policy.get_output_embeddings()
+        targets = packed.targets[:, shard.tokens]  # [1, n]
+        with self.runtime.autocast():
+            if fused_linear:
+                hidden = packed_hidden(self.policy, packed, shard)
+                out = fused_linear_token_logprobs(
+                    hidden, head.weight, targets[0], bias=head.bias, temperature=temperature, return_entropy=entropy
+                )
+            else:
+                logits = packed_logits(self.policy, packed, shard)  # [1, n, V]
+        if not fused_linear:
+            out = token_logprobs(logits, targets, temperature=temperature, return_entropy=entropy)
+            out = tuple(x[0] for x in out) if entropy else out[0]
+        logp, entropies = out if entropy else (out, None)
+        return gather_tokens(logp, shard), None if entropies is None else gather_tokens(entropies, shard)
+
+    def _loss(self, packed: Packed, inputs: LossInputs, logp, entropy, behaviour: Behaviour | None) -> PassOutput:
+        """The :class:`PassOutput` of ``policy_loss`` on the pack's log-probs ``logp`` [Nc] (and
+        ``entropy`` [Nc] or None), the sampling correction of ``behaviour`` applied."""
+        config, correction = self.loss_config, None
         if behaviour is not None:
             inputs, correction = corrected(inputs, logp.detach(), packed, behaviour)
         out = policy_loss(

@@ -199,7 +199,7 @@ class AsyncRollouts(RolloutSource):
             device=str(device),
             bf16=worker_runtime.bf16,
             threads=threads,
-            rank=runtime.ranks.rank,
+            rank=runtime.ranks.data_rank,  # a sequence group's ranks sample alike
             weights=self.weights,
             requests=self.requests,
             stop=self.stop,

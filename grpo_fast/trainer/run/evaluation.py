@@ -144,7 +144,7 @@ class Evaluator:
         self.generator.publish(version)
         config, ranks, n = self.config, self.runtime.ranks, self.config.eval_samples
         M = len(self.rows)
-        first, stop = ranks.rank * M // ranks.world_size, (ranks.rank + 1) * M // ranks.world_size
+        first, stop = ranks.data_rank * M // ranks.data_size, (ranks.data_rank + 1) * M // ranks.data_size
         chunk = max(1, config.batch_size // n)
         parts = [torch.empty(0, len(self.reward_funcs))]
         with self._random_state():
@@ -162,7 +162,7 @@ class Evaluator:
         nor moves the training's random state."""
         if self.config.generator != "hf":
             return contextlib.nullcontext()
-        return _seeded(self.config.seed + self.runtime.ranks.rank, self.runtime.device)
+        return _seeded(self.config.seed + self.runtime.ranks.data_rank, self.runtime.device)
 
 
 @contextlib.contextmanager

@@ -106,6 +106,7 @@ def batch_fields(samples: Samples, config, modules, policy, reference, runtime) 
     group advantages from every rank's rewards. ``policy``, ``reference``: the models behind
     the modules (a peft policy is its own reference, adapters off)."""
     ranks = runtime.ranks
+    ranks.same_in_sequence_group(samples.input_ids, "rollouts")  # a group's ranks split the same rows' tokens
     C = samples.completion_mask.shape[1]
     micro = pack_rollout(samples.input_ids, samples.attention_mask, C, config, policy)
     ref = None
