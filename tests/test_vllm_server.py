@@ -1,0 +1,276 @@
+"""The vLLM engine in server mode (``--vllm-mode server``) against two vLLM CPU servers on
+127.0.0.1, started by ``grpo-fast serve`` once for the module (a server starts in about a
+minute on 2 cores) and stopped after it: weight pushes through the ``grpo_fast_tcp`` backend,
+a push broken mid-stream, a 2-step training run on both servers, a server of another model,
+and a server that dies mid-rollout (last: it kills one).
+
+Needs vLLM's CPU build (the README's test command installs it).
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+from conftest import ROOT, child_env, completion_logprobs, small_config
+
+from grpo_fast.tasks.arithmetic import build_dataset, build_model, build_tokenizer
+from grpo_fast.trainer import GRPOConfig, GRPOTrainer
+from grpo_fast.trainer.run.run_log import read_metrics
+
+pytest.importorskip("vllm", reason="vLLM is not installed (see the README's test command)")
+
+from grpo_fast.trainer.rollout.engines import EngineSettings, make_generator  # noqa: E402
+from grpo_fast.trainer.rollout.engines.vllm_server import ServerError, serve_command  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the module's servers take about a minute to start
+
+HEADS = dict(num_attention_heads=2, num_key_value_heads=2)  # head_dim 32: vLLM's CPU attention takes it
+PROMPTS = [row["prompt"] for row in build_dataset(6, seed=1)]  # 4 tokens each
+# float32 servers and trainer, the same weights: max |server log-prob - trainer log-prob| over a
+# completion (measured: below 1e-5; the kernels differ, the weights are bit-equal)
+BOUND = 1e-4
+# each server: vLLM's flags for a model of 32 positions, a KV cache of one rollout, no compile
+SERVER_FLAGS = [
+    "--host",
+    "127.0.0.1",
+    "--max-model-len",
+    "32",
+    "--kv-cache-memory-bytes",
+    "16000000",
+    "--enforce-eager",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(server: subprocess.Popen, signum=signal.SIGTERM) -> None:
+    """Stops a server and its engine core (its process group); SIGKILL after 20 s."""
+    if server.poll() is None:
+        os.killpg(server.pid, signum)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The policy's starting weights and tokenizer, saved: what the servers start from."""
+    folder = tmp_path_factory.mktemp("served")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0, **HEADS).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
+    """``{url: Popen}`` of two servers of ``model_dir``, started together, each in its own
+    process group (its engine core stops with it); stopped at the module's end."""
+    logs = tmp_path_factory.mktemp("server_logs")
+    env = child_env(VLLM_CPU_OMP_THREADS_BIND="nobind")  # two servers, one thread each, unpinned
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env["PYTHONPATH"]])  # the servers import this checkout
+    started = {}
+    for i in range(2):
+        port = free_port()
+        command = [sys.executable, "-m", "grpo_fast", "serve", model_dir, "--port", str(port), *SERVER_FLAGS]
+        with open(logs / f"server{i}.log", "w") as log:
+            started[f"http://127.0.0.1:{port}"] = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+            )
+    try:
+        deadline = time.monotonic() + 400
+        for url, server in started.items():
+            while not healthy(url):
+                assert server.poll() is None, (logs / f"server{list(started).index(url)}.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, f"{url} did not start"
+                time.sleep(1)
+        yield started
+    finally:
+        for server in started.values():
+            stop(server)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return requests.get(url + "/health", timeout=5).ok
+    except requests.ConnectionError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def engine(servers, model_dir):
+    """The server engine for a policy loaded from ``model_dir``, on both servers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = GRPOConfig(generator="vllm", vllm_mode="server", vllm_server_urls=list(servers), max_new_tokens=6)
+    return make_generator("vllm", model, AutoTokenizer.from_pretrained(model_dir), EngineSettings.of(config))
+
+
+def server_logprobs(engine, url: str, ids: list, completion: int) -> torch.Tensor:
+    """[completion] the server's log-probs of the last ``completion`` tokens of ``ids`` (its
+    prompt log-probs at temperature 1)."""
+    body = dict(model=engine.servers[0].model, prompt=ids, max_tokens=1, echo=True, logprobs=0, temperature=1.0)
+    answer = requests.post(url + "/v1/completions", json=body, timeout=60).json()
+    return torch.tensor(answer["choices"][0]["logprobs"]["token_logprobs"][len(ids) - completion : len(ids)])
+
+
+def fixed_completion_gap(engine, url: str) -> float:
+    """max |server log-prob - policy log-prob| over a fixed completion of a fixed prompt."""
+    ids = engine.tokenizer(PROMPTS[0] + "7" + "12", add_special_tokens=False)["input_ids"]
+    ids += [engine.tokenizer.eos_token_id]
+    C = 4
+    with torch.no_grad():
+        policy = completion_logprobs(engine.model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), C)
+    return (server_logprobs(engine, url, ids, C) - policy[0]).abs().max().item()
+
+
+def server_version(url: str) -> str:
+    return requests.get(url + "/weight_info", timeout=10).json()["weight_version"]
+
+
+def perturb(model) -> None:
+    """An optimizer step's worth of change to every weight."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+
+
+def test_serve_adds_what_training_needs_and_the_users_flags_win():
+    command = serve_command("some/model", ["--dtype", "bfloat16", "--port", "9000"])
+    assert command[command.index("--model") + 1] == "some/model"
+    assert '{"backend": "grpo_fast_tcp"}' in command and "processed_logprobs" in command
+    assert command.count("--dtype") == 1 and command[-4:] == ["--dtype", "bfloat16", "--port", "9000"]
+
+
+def test_a_server_of_another_model_is_refused_naming_it(servers):
+    """A policy whose weights differ in shape from the served model's is refused at connect,
+    with the server, the served model and each differing field named."""
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0, num_hidden_layers=3, **HEADS)
+    url = next(iter(servers))
+    config = GRPOConfig(generator="vllm", vllm_mode="server", vllm_server_urls=[url])
+    with pytest.raises(
+        ValueError, match=rf"vLLM server {url} serves another model .*num_hidden_layers: policy 3, server 2"
+    ):
+        make_generator("vllm", model, tokenizer, EngineSettings.of(config))
+
+
+def test_two_steps_train_on_two_servers(servers, model_dir, tmp_path):
+    """A 2-step run pushes each step's weights to both servers and trains on their samples,
+    corrected for their log-probs."""
+    config = small_config(
+        tmp_path, model=model_dir, steps=2, generator="vllm", vllm_mode="server", vllm_server_urls=list(servers)
+    )
+    trainer = GRPOTrainer(config)
+    trainer.train()
+    rows = read_metrics(config.output_dir)
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["vllm_servers_up"] == 2 and row["sync_time_s"] > 0 for row in rows)
+    assert all("sampling/importance_sampling_ratio/mean" in row for row in rows)
+    assert [server_version(url) for url in servers] == ["2", "2"]
+
+
+def test_each_push_brings_every_server_to_the_policys_log_probs(engine, servers):
+    """After each push, both servers report the version and give the policy's log-probs of a
+    fixed completion to BOUND (float32); a rollout's samples carry the policy's log-probs and
+    their version per token, its groups spread over both servers, each group on one."""
+    taken = []
+    request = engine._request
+
+    def recording(server, verb, path, body=None, timeout=None):
+        if path == "/v1/completions":
+            taken.append(server.url)
+        return request(server, verb, path, body, timeout)
+
+    engine._request = recording
+    try:
+        for version in (1, 2):
+            perturb(engine.model)
+            engine.publish(version)
+            for url in servers:
+                assert server_version(url) == str(version)
+                assert fixed_completion_gap(engine, url) < BOUND
+            taken.clear()
+            out = engine.generate(PROMPTS, 4, list(range(6)))
+            policy = completion_logprobs(engine.model, out.input_ids, out.attention_mask, out.completion_mask.shape[1])
+            assert ((policy - out.logprobs) * out.completion_mask).abs().max() < BOUND
+            assert bool((out.versions[out.completion_mask.bool()] == version).all())
+            assert bool((out.versions[~out.completion_mask.bool()] == -1).all())
+            assert len(taken) == len(PROMPTS) and set(taken) == set(servers)  # one request a group, both used
+    finally:
+        engine._request = request
+    assert engine.metrics()["sync_time_s"] > 0
+
+
+def test_a_push_broken_mid_stream_leaves_the_server_on_its_old_version(engine, servers):
+    """The trainer's stream to one server breaks after two tensors: that server keeps its old
+    weights and version (vLLM's worker loads only a whole update), the trainer knows it, no
+    rollout samples from it; the next sync pushes it again."""
+    first, second = engine.servers
+    old = engine.published
+    engine.publish(old)  # both current
+    intact = first.transfer.source
+
+    class Broken:
+        def metadata(self):
+            return intact.metadata()
+
+        def __iter__(self):
+            for i, item in enumerate(intact):
+                if i == 2:
+                    raise ConnectionResetError("the trainer's link broke")
+                yield item
+
+    perturb(engine.model)
+    first.transfer.source = Broken()
+    try:
+        engine.publish(old + 1)
+    finally:
+        first.transfer.source = intact
+    assert first.version == old and "ConnectionResetError" in first.error and not first.down
+    assert server_version(first.url) == str(old) and server_version(second.url) == str(old + 1)
+    assert fixed_completion_gap(engine, second.url) < BOUND
+    assert fixed_completion_gap(engine, first.url) > 1e-2  # the old weights, whole
+    assert engine._ready() == [second]
+    engine.sync()
+    assert first.version == old + 1 and first.error is None and fixed_completion_gap(engine, first.url) < BOUND
+
+
+def test_a_server_dying_mid_rollout_hands_its_groups_to_the_other_then_none_left_is_an_error(engine, servers):
+    """Last in the module: it kills the second server as the rollout sends it a group. Its
+    groups go to the first; the rollout is whole, from the first server alone. With the first
+    killed too, the next rollout stops with a ServerError naming both servers."""
+    first, second = engine.servers
+    request = engine._request
+
+    def dying(server, verb, path, body=None, timeout=None):
+        if path == "/v1/completions" and server is second and servers[second.url].poll() is None:
+            stop(servers[second.url], signal.SIGKILL)
+        return request(server, verb, path, body, timeout)
+
+    engine._request = dying
+    try:
+        out = engine.generate(PROMPTS, 4, list(range(6)))
+    finally:
+        engine._request = request
+    assert second.down and "mid-rollout" in second.error and not first.down
+    assert out.input_ids.shape[0] == 24 and bool(out.completion_mask[:, 0].all())
+    policy = completion_logprobs(engine.model, out.input_ids, out.attention_mask, out.completion_mask.shape[1])
+    assert ((policy - out.logprobs) * out.completion_mask).abs().max() < BOUND
+    assert engine.metrics()["vllm_servers_up"] == 1
+    stop(servers[first.url], signal.SIGKILL)
+    with pytest.raises(ServerError, match=f"{first.url}: stopped answering mid-rollout.*; {second.url}: stopped"):
+        engine.generate(PROMPTS, 4, list(range(6)))
