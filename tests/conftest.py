@@ -38,6 +38,7 @@ LONGEST_MODULES = (
     "test_guess_number.py",  # 127 s
     "test_vllm.py",  # 124 s
     "test_async_rollout.py",  # 124 s
+    "test_vllm_server.py",  # 113 s (one run, 2026-12-07: two vLLM servers start in 80-97 s of it)
     "test_faults.py",  # 111 s
     "test_gpu_script.py",  # 110 s
     "test_soak_sandbox.py",  # 73 s

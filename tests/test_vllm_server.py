@@ -249,6 +249,44 @@ def test_a_push_broken_mid_stream_leaves_the_server_on_its_old_version(engine, s
     assert first.version == old + 1 and first.error is None and fixed_completion_gap(engine, first.url) < BOUND
 
 
+def test_a_server_samples_what_the_colocated_engine_samples(engine):
+    """K = 0 server mode against colocated vLLM: the same weights, seeds and sampling options
+    give the same completions, token for token, and the same log-probs to BOUND."""
+    from grpo_fast.trainer.rollout.engines.vllm import VLLMGenerator
+
+    config = GRPOConfig(generator="vllm", max_new_tokens=6, vllm_max_model_len=32)
+    colocated = VLLMGenerator(engine.model, engine.tokenizer, EngineSettings.of(config))
+    try:
+        here = colocated.generate(PROMPTS, 4, list(range(6)))
+    finally:
+        colocated.close()
+    there = engine.generate(PROMPTS, 4, list(range(6)))
+    assert torch.equal(here.input_ids, there.input_ids) and torch.equal(here.completion_mask, there.completion_mask)
+    assert (here.logprobs - there.logprobs).abs().max() < BOUND
+
+
+def test_a_stalled_server_is_dropped_after_the_timeout_and_its_groups_go_to_the_other(engine, servers):
+    """A server that stops answering but stays up (SIGSTOP) holds a rollout for at most
+    vllm_server_timeout_s (5 s here): it is then down for the run, and the other server samples
+    its groups. (An engine of its own, on the module engine's weights.)"""
+    config = GRPOConfig(
+        generator="vllm", vllm_mode="server", vllm_server_urls=list(servers), max_new_tokens=6, vllm_server_timeout_s=5
+    )
+    patient = make_generator("vllm", engine.model, engine.tokenizer, EngineSettings.of(config))
+    patient.generate(PROMPTS, 4, list(range(6)))  # both servers at its version
+    first, second = patient.servers
+    os.killpg(servers[second.url].pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        out = patient.generate(PROMPTS, 4, list(range(6)))
+        waited = time.monotonic() - start
+    finally:
+        os.killpg(servers[second.url].pid, signal.SIGCONT)
+    assert second.down and "timed out" in second.error and not first.down
+    assert waited < 5 + 10  # the timeout, then the first server's share of the groups
+    assert out.input_ids.shape[0] == 24 and bool(out.completion_mask[:, 0].all())
+
+
 def test_a_server_dying_mid_rollout_hands_its_groups_to_the_other_then_none_left_is_an_error(engine, servers):
     """Last in the module: it kills the second server as the rollout sends it a group. Its
     groups go to the first; the rollout is whole, from the first server alone. With the first

@@ -29,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
+import requests
 import torch
 
 from grpo_fast.trainer.distributed import launched_by_torchrun
@@ -37,6 +38,9 @@ from grpo_fast.trainer.rollout.engines.vllm import base_model, full_weights, imp
 
 WORKER_EXTENSION = "grpo_fast.trainer.rollout.engines.vllm_transfer.ServerExtension"
 _MAX_REQUESTS = 64  # requests in flight at once, over every server
+# what a server that stopped answering gives a request: refused or reset, cut off, or no answer
+# within vllm_server_timeout_s (a server stalled, or its machine gone)
+_SILENT = (requests.ConnectionError, requests.exceptions.ChunkedEncodingError, requests.Timeout)
 
 
 class ServerError(RuntimeError):
@@ -136,8 +140,6 @@ class VLLMServerGenerator(Generator):
     def _request(self, server: Server, verb: str, path: str, body: dict | None = None, timeout: float | None = None):
         """``verb`` on ``server``'s ``path`` with the JSON ``body``; its JSON answer (None when
         empty). ValueError naming the server for an answer other than 2xx."""
-        import requests
-
         timeout = timeout or self.settings.vllm_server_timeout_s
         response = requests.request(verb, server.url + path, json=body, timeout=timeout)
         if not response.ok:
@@ -149,7 +151,6 @@ class VLLMServerGenerator(Generator):
     def _connect(self, server: Server) -> None:
         """Waits for ``server`` to answer (``vllm_server_timeout_s``), checks it serves the
         policy's model for training, and opens its weight transfer."""
-        import requests
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -160,7 +161,7 @@ class VLLMServerGenerator(Generator):
             try:
                 self._request(server, "GET", "/health", timeout=5)
                 break
-            except requests.ConnectionError as exc:
+            except _SILENT as exc:
                 if time.monotonic() > deadline:
                     raise ValueError(
                         f"vLLM server {server.url} did not answer within vllm_server_timeout_s="
@@ -231,13 +232,11 @@ class VLLMServerGenerator(Generator):
         self.sync_time_s += time.perf_counter() - start
 
     def _push(self, server: Server) -> None:
-        import requests
-
         try:
             server.transfer.send_weights(weight_version=str(self.published))
             self._request(server, "POST", "/reset_prefix_cache")  # its keys and values came from the old weights
             held = self._request(server, "GET", "/weight_info")["weight_version"]
-        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
+        except _SILENT as exc:
             server.down, server.error = True, f"stopped answering during a weight push: {exc}"
             return
         except Exception as exc:  # it refused the update or the stream broke: vLLM kept its old weights
@@ -280,7 +279,7 @@ class VLLMServerGenerator(Generator):
                 f"a prompt of {max(lengths)} tokens + max_new_tokens={settings.max_new_tokens} exceeds the servers' "
                 f"max_model_len {limit}: set max_prompt_length, or serve a longer context"
             )
-        requests_ = [
+        bodies = [
             dict(
                 prompt=ids[len(ids) - n :],
                 **sampling_options(settings, group_size, key, settings.max_new_tokens, [tokenizer.eos_token_id]),
@@ -291,8 +290,8 @@ class VLLMServerGenerator(Generator):
             for ids, n, key in zip(prompt_ids.tolist(), lengths, keys)
         ]
         version = self.published
-        with ThreadPoolExecutor(max_workers=min(len(requests_), _MAX_REQUESTS)) as pool:
-            answers = list(pool.map(self._complete, requests_))
+        with ThreadPoolExecutor(max_workers=min(len(bodies), _MAX_REQUESTS)) as pool:
+            answers = list(pool.map(self._complete, bodies))
         samples = [choice for answer in answers for choice in sorted(answer["choices"], key=lambda c: c["index"])]
         C = max(1, max(len(s["token_ids"]) for s in samples))
         tokens = torch.full((len(samples), C), tokenizer.pad_token_id, dtype=torch.long)
@@ -310,8 +309,6 @@ class VLLMServerGenerator(Generator):
     def _complete(self, body: dict) -> dict:
         """One group's completions from the live server with the fewest tokens queued; from the
         next one when that server stops answering (it is then down for the run)."""
-        import requests
-
         cost = len(body["prompt"]) + body["n"] * body["max_tokens"]
         while True:
             with self.lock:
@@ -319,7 +316,7 @@ class VLLMServerGenerator(Generator):
                 server.queued += cost
             try:
                 return self._request(server, "POST", "/v1/completions", dict(model=server.model, **body))
-            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
+            except _SILENT as exc:
                 with self.lock:
                     server.down, server.error = True, f"stopped answering mid-rollout: {exc}"
             finally:
