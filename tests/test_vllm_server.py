@@ -33,7 +33,9 @@ pytestmark = pytest.mark.slow  # the module's servers take about a minute to sta
 HEADS = dict(num_attention_heads=2, num_key_value_heads=2)  # head_dim 32: vLLM's CPU attention takes it
 PROMPTS = [row["prompt"] for row in build_dataset(6, seed=1)]  # 4 tokens each
 # float32 servers and trainer, the same weights: max |server log-prob - trainer log-prob| over a
-# completion (measured: below 1e-5; the kernels differ, the weights are bit-equal)
+# completion. Measured on one server, 64 samples of 6 tokens a version: 2.4e-7 at the initial
+# weights, then 3e-6 to 3.7e-5 after each of five pushes of perturbed weights (mean 1e-6): the
+# kernels differ, the weights arrive bit for bit
 BOUND = 1e-4
 # each server: vLLM's flags for a model of 32 positions, a KV cache of one rollout, no compile
 SERVER_FLAGS = [

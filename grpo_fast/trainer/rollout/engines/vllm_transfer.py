@@ -31,15 +31,24 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    WeightSource,
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+import vllm
+
+try:  # vLLM's extension point, and the in-place reload its worker-side engines load with
+    from vllm.distributed.weight_transfer.base import (
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        WeightSource,
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+except ImportError as exc:
+    raise ImportError(
+        f"vllm_mode='server' needs vLLM's weight-transfer API as vLLM 0.32 has it; this is vLLM {vllm.__version__}: "
+        f"{exc}"
+    ) from exc
 
 BACKEND = "grpo_fast_tcp"
 _CHUNK = 1 << 22  # bytes a socket read may fill at once
@@ -107,8 +116,6 @@ class TCPWeightTransferEngine(WeightTransferEngine[TCPInitInfo, TCPUpdateInfo]):
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: TCPUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
         staged = []
         with socket.create_connection((update_info.host, update_info.port), timeout=self.timeout_s) as connection:
             for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
