@@ -170,19 +170,31 @@ def test_a_server_of_another_model_is_refused_naming_it(servers):
         make_generator("vllm", model, tokenizer, EngineSettings.of(config))
 
 
-def test_two_steps_train_on_two_servers(servers, model_dir, tmp_path):
+@pytest.mark.parametrize("max_staleness", [0, 1], ids=["synchronous", "worker_one_step_ahead"])
+def test_two_steps_train_on_two_servers(servers, model_dir, tmp_path, max_staleness):
     """A 2-step run pushes each step's weights to both servers and trains on their samples,
-    corrected for their log-probs."""
+    corrected for their log-probs; with max_staleness 1 the rollout worker's engine pushes the
+    weights it loaded, and a batch is at most one step old."""
     config = small_config(
-        tmp_path, model=model_dir, steps=2, generator="vllm", vllm_mode="server", vllm_server_urls=list(servers)
+        tmp_path,
+        model=model_dir,
+        steps=2,
+        generator="vllm",
+        vllm_mode="server",
+        vllm_server_urls=list(servers),
+        max_staleness=max_staleness,
     )
     trainer = GRPOTrainer(config)
     trainer.train()
     rows = read_metrics(config.output_dir)
     assert [row["step"] for row in rows] == [1, 2]
-    assert all(row["vllm_servers_up"] == 2 and row["sync_time_s"] > 0 for row in rows)
+    assert all(row["vllm_servers_up"] == 2 for row in rows) and rows[0]["sync_time_s"] > 0
     assert all("sampling/importance_sampling_ratio/mean" in row for row in rows)
-    assert [server_version(url) for url in servers] == ["2", "2"]
+    assert all(row["staleness"] <= max_staleness for row in rows) if max_staleness else "staleness" not in rows[0]
+    # the synchronous run pushed the weights of both steps; the worker those it sampled with last
+    # (its second batch may take the first step's weights, or the start's)
+    held = {server_version(url) for url in servers}
+    assert held == {"2"} if not max_staleness else held in ({"0"}, {"1"})
 
 
 def test_each_push_brings_every_server_to_the_policys_log_probs(engine, servers):

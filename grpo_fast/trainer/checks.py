@@ -93,10 +93,6 @@ def check_asynchrony(config) -> None:
         config.parallel != "fsdp",
         "max_staleness >= 1 needs parallel='ddp': the worker samples with whole weights, which FSDP2 shards",
     )
-    require(
-        config.vllm_mode != "server",
-        "max_staleness >= 1 with vllm_mode='server' is not supported yet: the servers sample synchronously",
-    )
     if config.generation_device is not None:
         check_device("generation_device", config.generation_device)
 
