@@ -265,18 +265,33 @@ def test_a_push_broken_mid_stream_leaves_the_server_on_its_old_version(engine, s
 
 def test_a_server_samples_what_the_colocated_engine_samples(engine):
     """K = 0 server mode against colocated vLLM: the same weights, seeds and sampling options
-    give the same completions, token for token, and the same log-probs to BOUND."""
+    give the same completions, token for token, and the same log-probs to BOUND; in a
+    multi-turn rollout too (scripted tool turns: each turn a request from the row's token ids,
+    its group's turns on one server)."""
+    from _turns import ScriptedTurns
+
     from grpo_fast.trainer.rollout.engines.vllm import VLLMGenerator
 
+    tokenizer = engine.tokenizer
+    stop, suffix = tokenizer.convert_tokens_to_ids("7"), tokenizer.encode("+=", add_special_tokens=False)
     config = GRPOConfig(generator="vllm", max_new_tokens=6, vllm_max_model_len=32)
-    colocated = VLLMGenerator(engine.model, engine.tokenizer, EngineSettings.of(config))
+    colocated = VLLMGenerator(engine.model, tokenizer, EngineSettings.of(config))
     try:
         here = colocated.generate(PROMPTS, 4, list(range(6)))
+        here_turns = colocated.generate(PROMPTS[:2], 4, [0, 1], turns=ScriptedTurns(stop, suffix))
     finally:
         colocated.close()
     there = engine.generate(PROMPTS, 4, list(range(6)))
-    assert torch.equal(here.input_ids, there.input_ids) and torch.equal(here.completion_mask, there.completion_mask)
-    assert (here.logprobs - there.logprobs).abs().max() < BOUND
+    scripted = ScriptedTurns(stop, suffix)
+    there_turns = engine.generate(PROMPTS[:2], 4, [0, 1], turns=scripted)
+    assert sum(scripted.answered.values()) > 0  # some turns were answered and continued
+    for a, b in ((here, there), (here_turns, there_turns)):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.completion_mask, b.completion_mask)
+        assert torch.equal(a.attention_mask, b.attention_mask) and (a.logprobs - b.logprobs).abs().max() < BOUND
+    tool_tokens = (there_turns.attention_mask[:, -there_turns.completion_mask.shape[1] :] == 1) & (
+        there_turns.completion_mask == 0
+    )
+    assert bool(tool_tokens.any()) and bool((there_turns.versions[tool_tokens] == -1).all())
 
 
 def test_a_stalled_server_is_dropped_after_the_timeout_and_its_groups_go_to_the_other(engine, servers):

@@ -60,6 +60,13 @@ def sampling_options(settings, n: int, key: int, max_tokens: int, stop_token_ids
     )
 
 
+def turn_key(keys: list, group_size: int, row: int, length: int) -> int:
+    """The seed key of a multi-turn rollout's turn: its row (prompt ``keys[row // G]``, sample
+    ``row % G``) and the length of its sequence so far, so that a turn's draw is a function of
+    its identity."""
+    return keys[row // group_size] * group_size + row % group_size + length * _SEED_STRIDE**2
+
+
 def import_vllm():
     """The ``vllm`` module, in-process engine mode; ImportError with the install line when absent."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -353,11 +360,11 @@ class VLLMGenerator(Generator):
         ids, mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
 
         def sample(rows: list, sequences: list, rooms: list, stop_ids: list) -> list:
-            # a turn's identity: its row (prompt key, sample index) and its length so far
-            turn_keys = [keys[r // G] * G + r % G + len(seq) * _SEED_STRIDE**2 for r, seq in zip(rows, sequences)]
             params = [
-                SamplingParams(**sampling_options(settings, 1, key, room, stop_ids), detokenize=False)
-                for key, room in zip(turn_keys, rooms)
+                SamplingParams(
+                    **sampling_options(settings, 1, turn_key(keys, G, r, len(seq)), room, stop_ids), detokenize=False
+                )
+                for r, seq, room in zip(rows, sequences, rooms)
             ]
             if settings.vllm_sleep_level:
                 self.llm.wake_up(tags=["kv_cache"])

@@ -7,8 +7,10 @@ weight-transfer API after each optimizer step.
               shape) or was not started for training (no weight transfer, other log-probs)
     sample    one completions request per prompt, ``n`` = G (a group on one server: its prefix
               cache serves the G samples), prompt and completion as token ids, never
-              re-tokenized, with the sampled tokens' log-probs after temperature; each request
-              goes to the live server with the fewest tokens queued
+              re-tokenized, with the sampled tokens' log-probs after temperature; each group
+              goes to the live server with the fewest tokens queued. A multi-turn rollout
+              (tools, environments) sends each turn of a row from its token ids, every turn of
+              a group to the group's server
     push      after each optimizer step (``publish``), to every live server: the policy's
               weights (LoRA merged) over the ``grpo_fast_tcp`` backend (``vllm_transfer``), then
               the new version and a cleared prefix cache; the server's reported version is checked
@@ -33,8 +35,15 @@ import requests
 import torch
 
 from grpo_fast.trainer.distributed import launched_by_torchrun
-from grpo_fast.trainer.rollout.engines import Generation, Generator, Turns, assemble, encode_prompts
-from grpo_fast.trainer.rollout.engines.vllm import base_model, full_weights, import_vllm, sampling_options
+from grpo_fast.trainer.rollout.engines import (
+    Generation,
+    Generator,
+    Turns,
+    assemble,
+    continue_turns,
+    encode_prompts,
+)
+from grpo_fast.trainer.rollout.engines.vllm import base_model, full_weights, import_vllm, sampling_options, turn_key
 
 WORKER_EXTENSION = "grpo_fast.trainer.rollout.engines.vllm_transfer.ServerExtension"
 _MAX_REQUESTS = 64  # requests in flight at once, over every server
@@ -263,11 +272,6 @@ class VLLMServerGenerator(Generator):
         index) as the colocated engine seeds them; the rollout layout of :class:`Generation`
         with the servers' log-probs and each token's version."""
         settings, tokenizer = self.settings, self.tokenizer
-        if turns is not None:
-            raise ValueError(
-                "vllm_mode='server' samples single-turn rollouts for now: tools and environments need "
-                "vllm_mode='colocate'"
-            )
         if len(keys) != len(prompts):
             raise ValueError(f"keys must give one key per prompt ({len(prompts)}), got {len(keys)}")
         self.sync()
@@ -279,40 +283,71 @@ class VLLMServerGenerator(Generator):
                 f"a prompt of {max(lengths)} tokens + max_new_tokens={settings.max_new_tokens} exceeds the servers' "
                 f"max_model_len {limit}: set max_prompt_length, or serve a longer context"
             )
-        bodies = [
-            dict(
-                prompt=ids[len(ids) - n :],
-                **sampling_options(settings, group_size, key, settings.max_new_tokens, [tokenizer.eos_token_id]),
-                return_token_ids=True,  # the sampled ids as they are: never re-tokenized
-                return_tokens_as_token_ids=True,
-                skip_special_tokens=False,
-            )
-            for ids, n, key in zip(prompt_ids.tolist(), lengths, keys)
-        ]
-        version = self.published
-        with ThreadPoolExecutor(max_workers=min(len(bodies), _MAX_REQUESTS)) as pool:
-            answers = list(pool.map(self._complete, bodies))
-        samples = [choice for answer in answers for choice in sorted(answer["choices"], key=lambda c: c["index"])]
-        C = max(1, max(len(s["token_ids"]) for s in samples))
-        tokens = torch.full((len(samples), C), tokenizer.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(len(samples), C, dtype=torch.float32)
-        for row, sample in enumerate(samples):
-            n = len(sample["token_ids"])
-            tokens[row, :n] = torch.as_tensor(sample["token_ids"])
-            logprobs[row, :n] = torch.as_tensor(sample["logprobs"]["token_logprobs"], dtype=torch.float32)
-        G, device = group_size, self.device
-        ids, mask = prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0)
-        out = assemble(tokenizer, ids.to(device), mask.to(device), tokens.to(device), logprobs.to(device))
+        G, device, version = group_size, self.device, self.published
+        ids, mask = (
+            prompt_ids.repeat_interleave(G, dim=0).to(device),
+            prompt_mask.repeat_interleave(G, dim=0).to(device),
+        )
+        homes = {}  # group -> the server its requests go to, so that its prefix cache serves every turn
+        if turns is not None:
+
+            def sample(rows: list, sequences: list, rooms: list, stop_ids: list) -> list:
+                bodies = [
+                    (r // G, self._body(seq, 1, turn_key(keys, G, r, len(seq)), room, stop_ids))
+                    for r, seq, room in zip(rows, sequences, rooms)
+                ]
+                return [self._turn(answer["choices"][0]) for answer in self._complete_all(bodies, homes)]
+
+            out = continue_turns(sample, tokenizer, ids, mask, turns, settings.max_new_tokens)
+        else:
+            requested = zip(prompt_ids.tolist(), lengths, keys)
+            bodies = [
+                (i, self._body(p[len(p) - n :], G, key, settings.max_new_tokens, [tokenizer.eos_token_id]))
+                for i, (p, n, key) in enumerate(requested)
+            ]
+            answers = self._complete_all(bodies, homes)
+            samples = [self._turn(c) for answer in answers for c in sorted(answer["choices"], key=lambda c: c["index"])]
+            C = max(1, max(len(tokens) for tokens, _ in samples))
+            tokens = torch.full((len(samples), C), tokenizer.pad_token_id, dtype=torch.long)
+            logprobs = torch.zeros(len(samples), C, dtype=torch.float32)
+            for row, (sampled, logp) in enumerate(samples):
+                tokens[row, : len(sampled)] = torch.as_tensor(sampled)
+                logprobs[row, : len(sampled)] = torch.as_tensor(logp, dtype=torch.float32)
+            out = assemble(tokenizer, ids, mask, tokens.to(device), logprobs.to(device))
         versions = torch.full_like(out.completion_mask, version, dtype=torch.long)
         return out._replace(versions=versions.masked_fill(out.completion_mask == 0, -1))
 
-    def _complete(self, body: dict) -> dict:
-        """One group's completions from the live server with the fewest tokens queued; from the
+    def _body(self, prompt: list, n: int, key: int, max_tokens: int, stop_token_ids: list) -> dict:
+        """A completions request: ``prompt`` token ids, the colocated engine's sampling options."""
+        return dict(
+            prompt=prompt,
+            **sampling_options(self.settings, n, key, max_tokens, stop_token_ids),
+            return_token_ids=True,  # the sampled ids as they are: never re-tokenized
+            return_tokens_as_token_ids=True,
+            skip_special_tokens=False,
+        )
+
+    @staticmethod
+    def _turn(choice: dict) -> tuple:
+        """(sampled token ids, their log-probs) of one answer's choice."""
+        return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"])
+
+    def _complete_all(self, bodies: list, homes: dict) -> list:
+        """The answers to ``bodies`` [(group, request)], sent together (:meth:`_complete`)."""
+        with ThreadPoolExecutor(max_workers=min(len(bodies), _MAX_REQUESTS)) as pool:
+            return list(pool.map(lambda item: self._complete(*item, homes), bodies))
+
+    def _complete(self, group: int, body: dict, homes: dict) -> dict:
+        """A request of ``group``: to its server in ``homes``, else (its first, or its server is
+        down) to the live server with the fewest tokens queued, which becomes its home; to the
         next one when that server stops answering (it is then down for the run)."""
         cost = len(body["prompt"]) + body["n"] * body["max_tokens"]
         while True:
             with self.lock:
-                server = min(self._ready(), key=lambda s: s.queued)
+                ready = self._ready()
+                server = homes.get(group)
+                if server not in ready:
+                    server = homes[group] = min(ready, key=lambda s: s.queued)
                 server.queued += cost
             try:
                 return self._request(server, "POST", "/v1/completions", dict(model=server.model, **body))
