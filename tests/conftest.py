@@ -34,11 +34,11 @@ torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else min(2, os.cp
 # a worker in collection order, so that neither worker ends the run alone on one of them.
 LONGEST_MODULES = (
     "test_real_models.py",  # 150 s
+    "test_vllm_server.py",  # 130-140 s (alone, 2026-12-07: two vLLM servers start in 70-97 s of it)
     "test_distributed.py",  # 132 s
     "test_guess_number.py",  # 127 s
     "test_vllm.py",  # 124 s
     "test_async_rollout.py",  # 124 s
-    "test_vllm_server.py",  # 113 s (one run, 2026-12-07: two vLLM servers start in 80-97 s of it)
     "test_faults.py",  # 111 s
     "test_gpu_script.py",  # 110 s
     "test_soak_sandbox.py",  # 73 s

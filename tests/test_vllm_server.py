@@ -173,8 +173,9 @@ def test_a_server_of_another_model_is_refused_naming_it(servers):
 @pytest.mark.parametrize("max_staleness", [0, 1], ids=["synchronous", "worker_one_step_ahead"])
 def test_two_steps_train_on_two_servers(servers, model_dir, tmp_path, max_staleness):
     """A 2-step run pushes each step's weights to both servers and trains on their samples,
-    corrected for their log-probs; with max_staleness 1 the rollout worker's engine pushes the
-    weights it loaded, and a batch is at most one step old."""
+    corrected for their log-probs, and resumed pushes the restored weights before its first
+    rollout; with max_staleness 1 the rollout worker's engine pushes the weights it loaded, and a
+    batch is at most one step old."""
     config = small_config(
         tmp_path,
         model=model_dir,
@@ -192,9 +193,24 @@ def test_two_steps_train_on_two_servers(servers, model_dir, tmp_path, max_stalen
     assert all("sampling/importance_sampling_ratio/mean" in row for row in rows)
     assert all(row["staleness"] <= max_staleness for row in rows) if max_staleness else "staleness" not in rows[0]
     # the synchronous run pushed the weights of both steps; the worker those it sampled with last
-    # (its second batch may take the first step's weights, or the start's)
+    # (it samples ahead, batches the run may not ask for, with any weights it was given up to step 2)
     held = {server_version(url) for url in servers}
-    assert held == {"2"} if not max_staleness else held in ({"0"}, {"1"})
+    assert held == {"2"} if not max_staleness else held <= {"0", "1", "2"}
+    if max_staleness:
+        return
+    # resumed, the run pushes its restored weights before its first rollout: the servers first
+    # get other weights (the starting ones, from an engine of their own)
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    make_generator("vllm", start, trainer.tokenizer, EngineSettings.of(config)).generate(PROMPTS[:1], 2, [0])
+    assert {server_version(url) for url in servers} == {"0"}
+    config.steps = 3
+    resumed = GRPOTrainer(config)
+    assert resumed.resume() == 2 and {server_version(url) for url in servers} == {"2"}
+    assert all(fixed_completion_gap(resumed.source.engine, url) < BOUND for url in servers)
+    resumed.train()
+    assert {server_version(url) for url in servers} == {"3"}
 
 
 def test_each_push_brings_every_server_to_the_policys_log_probs(engine, servers):
@@ -261,6 +277,23 @@ def test_a_push_broken_mid_stream_leaves_the_server_on_its_old_version(engine, s
     assert engine._ready() == [second]
     engine.sync()
     assert first.version == old + 1 and first.error is None and fixed_completion_gap(engine, first.url) < BOUND
+
+
+def test_a_server_that_reports_an_old_version_after_a_push_is_refused(engine, servers):
+    """A server whose version does not move with a push (its finish did not take) is not
+    sampled from, with the versions named; the next push that takes brings it back."""
+    first, second = engine.servers
+    finish = first.transfer.client.finish_weight_update
+    first.transfer.client.finish_weight_update = lambda weight_version=None: finish(None)
+    try:
+        engine.publish(engine.published + 1)
+    finally:
+        first.transfer.client.finish_weight_update = finish
+    new = engine.published
+    assert first.error == f"reports version {new - 1} after the push of version {new}" and first.version == new - 1
+    assert engine._ready() == [second]
+    engine.sync()
+    assert first.version == new and first.error is None and server_version(first.url) == str(new)
 
 
 def test_a_server_samples_what_the_colocated_engine_samples(engine):
