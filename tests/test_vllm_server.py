@@ -17,7 +17,7 @@ import time
 import pytest
 import requests
 import torch
-from conftest import ROOT, child_env, completion_logprobs, small_config
+from conftest import ROOT, child_env, completion_logprobs, run_child, small_config, torchrun_command
 
 from grpo_fast.tasks.arithmetic import build_dataset, build_model, build_tokenizer
 from grpo_fast.trainer import GRPOConfig, GRPOTrainer
@@ -211,6 +211,24 @@ def test_two_steps_train_on_two_servers(servers, model_dir, tmp_path, max_stalen
     assert all(fixed_completion_gap(resumed.source.engine, url) < BOUND for url in servers)
     resumed.train()
     assert {server_version(url) for url in servers} == {"3"}
+
+
+def test_torchrun_two_ranks_train_on_two_servers(servers, model_dir, tmp_path):
+    """``grpo-fast train`` under torchrun (2 processes, DDP): each rank samples its share of the
+    prompts on the servers, rank 0 pushes each step's weights for both; the servers' log-probs
+    are the trainer's over both ranks' samples."""
+    out = tmp_path / "run"
+    command = torchrun_command(
+        "-m", "grpo_fast", "train", "--model", model_dir, "--generator", "vllm", "--vllm-mode", "server",
+        "--vllm-server-urls", *servers, "--steps", "2", "--batch-size", "16", "-G", "4", "--max-new-tokens", "3",
+        "--save-every", "0", "--no-progress", "--output-dir", str(out),
+    )  # fmt: skip
+    result = run_child(command, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = read_metrics(str(out))
+    assert [m["step"] for m in history] == [1, 2]
+    assert all(m["sampling/sampling_logp_difference/max"] < BOUND for m in history)
+    assert {server_version(url) for url in servers} == {"2"}
 
 
 def test_each_push_brings_every_server_to_the_policys_log_probs(engine, servers):

@@ -34,7 +34,6 @@ from urllib.parse import urlparse
 import requests
 import torch
 
-from grpo_fast.trainer.distributed import launched_by_torchrun
 from grpo_fast.trainer.rollout.engines import (
     Generation,
     Generator,
@@ -125,7 +124,7 @@ class VLLMServerGenerator(Generator):
         model, tokenizer: the policy (a causal LM, optionally peft) and its tokenizer.
         settings: the :class:`EngineSettings`: seed, temperature, top_k, top_p, max_new_tokens,
             max_prompt_length and the ``vllm_server_*`` fields.
-        runtime: where the policy lives (one process: server mode under torchrun comes later).
+        runtime: where the policy lives, and its ranks (under torchrun rank 0 pushes the weights).
     """
 
     drifts = True  # the servers' kernels and dtype: the trainer corrects the loss for them
@@ -134,8 +133,8 @@ class VLLMServerGenerator(Generator):
     def __init__(self, model, tokenizer, settings, runtime=None):
         import_vllm()
         super().__init__(model, tokenizer, settings, runtime)
-        if launched_by_torchrun():
-            raise ValueError("vllm_mode='server' under torchrun is not supported yet: train in one process")
+        if any(hasattr(p, "full_tensor") for p in model.parameters()):
+            raise ValueError("vllm_mode='server' with parallel='fsdp' is not supported yet: use parallel='ddp'")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (prompts are left-padded): set tokenizer.pad_token")
         self.device = next(model.parameters()).device
@@ -180,7 +179,7 @@ class VLLMServerGenerator(Generator):
         self._check_model(server)
         timeout = self.settings.vllm_server_timeout_s
         server.transfer = WeightTransferTrainerFactory.trainer_init(
-            TCPTrainerInitInfo(host=self._address_towards(server), timeout_s=timeout, rank=0),
+            TCPTrainerInitInfo(host=self._address_towards(server), timeout_s=timeout, rank=self.runtime.ranks.rank),
             client=HTTPVLLMWeightSyncClient(server.url, timeout=timeout),
             source=PolicyWeights(self.model),
         )
@@ -231,14 +230,19 @@ class VLLMServerGenerator(Generator):
         """Pushes the policy's weights to every live server behind the published version, all
         at once. A push that fails leaves its server on its old version (vLLM's worker loads
         only a whole update): it is tried again at the next sync, and a server that no longer
-        answers is down."""
+        answers is down. Under torchrun (DDP: every rank holds the same weights) rank 0 pushes,
+        and every rank takes rank 0's record of the servers after."""
+        ranks = self.runtime.ranks
         behind = [s for s in self.servers if not s.down and s.version != self.published]
-        if not behind:
-            return
-        start = time.perf_counter()
-        with torch.no_grad(), ThreadPoolExecutor(max_workers=len(behind)) as pool:
-            list(pool.map(self._push, behind))
-        self.sync_time_s += time.perf_counter() - start
+        if behind and ranks.is_main:
+            start = time.perf_counter()
+            with torch.no_grad(), ThreadPoolExecutor(max_workers=len(behind)) as pool:
+                list(pool.map(self._push, behind))
+            self.sync_time_s += time.perf_counter() - start
+        if ranks.world_size > 1:
+            records = ranks.broadcast([(s.version, s.down, s.error) for s in self.servers])
+            for server, (version, down, error) in zip(self.servers, records):
+                server.version, server.down, server.error = version, down, error
 
     def _push(self, server: Server) -> None:
         try:

@@ -95,10 +95,7 @@ class TCPWeightTransferEngine(WeightTransferEngine[TCPInitInfo, TCPUpdateInfo]):
 
     init_info_cls = TCPInitInfo
     update_info_cls = TCPUpdateInfo
-
-    def __init__(self, config, vllm_config, device, model):
-        super().__init__(config, vllm_config, device, model)
-        self.timeout_s = TCPInitInfo.timeout_s
+    timeout_s = TCPInitInfo.timeout_s  # until a trainer's init says otherwise
 
     def init_transfer_engine(self, init_info: TCPInitInfo) -> None:
         self.timeout_s = init_info.timeout_s
@@ -165,7 +162,11 @@ class TCPTrainerWeightTransferEngine(TrainerWeightTransferEngine[TCPTrainerInitI
         return engine
 
     def send_weights(self, weight_version: str | None = None) -> None:
-        """Pushes every tensor of the source; the server reports ``weight_version`` after."""
+        """Pushes every tensor of the source; the server reports ``weight_version`` after. The
+        sender alone: its whole weights are every rank's (a sharded source, whose tensors every
+        rank gathers together, is not supported)."""
+        if not self.is_sender:
+            return
         meta = self.source.metadata()
         with socket.create_server((self.host, 0)) as listener:
             info = TCPUpdateInfo(
@@ -210,14 +211,13 @@ class ServerExtension:
     the worker's process; :meth:`grpo_fast_model_info` tells a trainer what model it serves."""
 
     def grpo_fast_model_info(self) -> dict:
-        """The served model's shape-defining config, its dtype, context and log-prob mode."""
+        """The served model's architectures, the config fields that fix its weights' shapes, and
+        its log-prob mode."""
         model_config = self.model_runner.model_config
         hf = model_config.hf_text_config.to_dict()
         return dict(
             config={key: hf.get(key) for key in SHAPE_KEYS},
             architectures=list(model_config.architectures),
-            dtype=str(model_config.dtype).removeprefix("torch."),
-            max_model_len=model_config.max_model_len,
             logprobs_mode=model_config.logprobs_mode,
         )
 
