@@ -1,8 +1,10 @@
 """The vLLM engine in server mode (``--vllm-mode server``) against two vLLM CPU servers on
-127.0.0.1, started by ``grpo-fast serve`` once for the module (a server starts in about a
-minute on 2 cores) and stopped after it: weight pushes through the ``grpo_fast_tcp`` backend,
-a push broken mid-stream, a 2-step training run on both servers, a server of another model,
-and a server that dies mid-rollout (last: it kills one).
+127.0.0.1, started by ``grpo-fast serve`` once for the module (about 70-100 s on 2 cores, most
+of the module's time) and stopped after it: training on both (one process, a rollout worker
+ahead, 2 torchrun ranks, resumed), weight pushes through the ``grpo_fast_tcp`` backend (the
+trainer's log-probs after each), samples equal to the colocated engine's, and the faults: a
+server of another model, a push broken mid-stream, a version that does not move, a stalled
+server, a dead one (last: it kills both).
 
 Needs vLLM's CPU build (the README's test command installs it).
 """
@@ -38,15 +40,7 @@ PROMPTS = [row["prompt"] for row in build_dataset(6, seed=1)]  # 4 tokens each
 # kernels differ, the weights arrive bit for bit
 BOUND = 1e-4
 # each server: vLLM's flags for a model of 32 positions, a KV cache of one rollout, no compile
-SERVER_FLAGS = [
-    "--host",
-    "127.0.0.1",
-    "--max-model-len",
-    "32",
-    "--kv-cache-memory-bytes",
-    "16000000",
-    "--enforce-eager",
-]
+SERVER_FLAGS = "--host 127.0.0.1 --max-model-len 32 --kv-cache-memory-bytes 16000000 --enforce-eager".split()
 
 
 def free_port() -> int:
@@ -84,10 +78,9 @@ def servers(model_dir, tmp_path_factory):
     env = child_env(VLLM_CPU_OMP_THREADS_BIND="nobind")  # two servers, one thread each, unpinned
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env["PYTHONPATH"]])  # the servers import this checkout
     started = {}
-    for i in range(2):
-        port = free_port()
+    for port in (free_port(), free_port()):
         command = [sys.executable, "-m", "grpo_fast", "serve", model_dir, "--port", str(port), *SERVER_FLAGS]
-        with open(logs / f"server{i}.log", "w") as log:
+        with open(logs / f"{port}.log", "w") as log:
             started[f"http://127.0.0.1:{port}"] = subprocess.Popen(
                 command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
             )
@@ -95,7 +88,7 @@ def servers(model_dir, tmp_path_factory):
         deadline = time.monotonic() + 400
         for url, server in started.items():
             while not healthy(url):
-                assert server.poll() is None, (logs / f"server{list(started).index(url)}.log").read_text()[-3000:]
+                assert server.poll() is None, (logs / f"{url.rsplit(':', 1)[1]}.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, f"{url} did not start"
                 time.sleep(1)
         yield started
@@ -151,6 +144,8 @@ def perturb(model) -> None:
 
 
 def test_serve_adds_what_training_needs_and_the_users_flags_win():
+    """grpo-fast serve's command: the backend, log-prob mode and model, then the user's flags,
+    each flag once (one the user gives is not added)."""
     command = serve_command("some/model", ["--dtype", "bfloat16", "--port", "9000"])
     assert command[command.index("--model") + 1] == "some/model"
     assert '{"backend": "grpo_fast_tcp"}' in command and "processed_logprobs" in command
