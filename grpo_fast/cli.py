@@ -8,6 +8,7 @@
     grpo-fast train --report-to tensorboard --eval-every 50   # trackers; held-out evaluation
     grpo-fast eval --model runs/x/final -n 8         # evaluate a model folder (a run's: its config's settings)
     grpo-fast bench memory --preset 100m             # what PPO's critic costs next to GRPO (memory, time)
+    grpo-fast serve PATH --port 8000                 # a vLLM server for --vllm-mode server (vLLM's flags after PATH)
     torchrun --nproc-per-node 8 -m grpo_fast train --model PATH ... [--parallel fsdp]   # many devices
 
 Every field of :class:`GRPOConfig` is also a flag (``--learning-rate``, ``--beta``, ...).
@@ -199,6 +200,16 @@ def build_parser(resolved: GRPOConfig | None = None) -> argparse.ArgumentParser:
         evaluate.add_argument(
             *flag, dest=name, type=str if nargs else kind, nargs=nargs, default=None, help=field.metadata["help"]
         )
+    serve = commands.add_parser(
+        "serve",
+        help="start a vLLM server for --vllm-mode server: vllm serve MODEL with every flag training needs",
+        description="Runs vllm serve MODEL with the weight-transfer backend and worker extension that training "
+        "pushes its weights through, log-probs after temperature, and on a machine without CUDA float32 and "
+        "whole-prompt prefills; the flags after MODEL are vLLM's own (--port 8000, --max-model-len 4096, ...) "
+        "and win over these.",
+    )
+    serve.add_argument("model", help="the model: a folder or a Hub name, the policy's starting weights")
+    serve.add_argument("flags", nargs=argparse.REMAINDER, help="vllm serve's flags")
     bench = commands.add_parser(
         "bench",
         help="benchmarks: grpo-fast bench memory (PPO's critic against GRPO)",
@@ -306,6 +317,15 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    """Replaces this process with ``vllm serve`` (``vllm_server.serve_command``)."""
+    from grpo_fast.trainer.rollout.engines.vllm_server import SERVE_ENV, serve_command
+
+    command = serve_command(args.model, args.flags)
+    print("grpo-fast: " + " ".join(command), file=sys.stderr, flush=True)
+    os.execve(command[0], command, {**os.environ, **SERVE_ENV})
+
+
 def dashed(argv: list) -> list:
     """``argv`` with each flag's name spelled with dashes: ``--learning_rate 0.1`` and
     ``--learning-rate=0.1`` alike, as Hugging Face's argument parser takes both spellings."""
@@ -358,6 +378,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _log_to_stderr()
     try:
+        if args.command == "serve":
+            return serve(args)
         if args.command == "bench":  # the benchmark's module is imported only when it runs
             from grpo_fast.bench import memory
 

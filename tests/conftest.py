@@ -33,6 +33,7 @@ torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else min(2, os.cp
 # --durations=0, 2026-12-07), longest first: collected first, since loadfile hands a module to
 # a worker in collection order, so that neither worker ends the run alone on one of them.
 LONGEST_MODULES = (
+    "test_vllm_server.py",  # 171 s (alone, 2026-12-07: two vLLM servers start in 68-97 s of it)
     "test_real_models.py",  # 150 s
     "test_distributed.py",  # 132 s
     "test_guess_number.py",  # 127 s

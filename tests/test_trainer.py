@@ -40,7 +40,8 @@ def test_generate_masks_stop_at_first_eos_and_logprobs_match_sampler():
     model = build_model(tokenizer, seed=1)
     prompts = ["1+2=", "9+0=11+", "3+", "4+4="]
     generator = HFGenerator(model, tokenizer, EngineSettings.of(GRPOConfig(max_new_tokens=6)))
-    input_ids, attention_mask, completion_mask, completions, _ = generator.generate(prompts, 2)
+    out = generator.generate(prompts, 2)
+    input_ids, attention_mask, completion_mask, completions = out[:4]
     prompts = [p for p in prompts for _ in range(2)]
     C = completion_mask.shape[1]
     completion_ids = input_ids[:, -C:]

@@ -15,6 +15,11 @@ ENGINES = {
     "sampler": "grpo_fast.trainer.rollout.engines.sampler:Sampler",
     "vllm": "grpo_fast.trainer.rollout.engines.vllm:VLLMGenerator",
 }
+# --vllm-mode: where the vllm engine runs, the engine of each ("vllm" above is the colocated one)
+VLLM_MODES = {
+    "colocate": ENGINES["vllm"],
+    "server": "grpo_fast.trainer.rollout.engines.vllm_server:VLLMServerGenerator",
+}
 PRECISIONS = ("auto", "bf16", "fp32")
 # the kernels that attend a packed forward (grpo_fast.packing.ATTENTIONS: the same names)
 ATTENTION_KERNELS = ("sdpa", "flex")

@@ -22,6 +22,7 @@ from grpo_fast.trainer.choices import (
     PRECISIONS,
     SAVE_FAILURES,
     TRACKERS,
+    VLLM_MODES,
     check_signals,
     check_trackers,
 )
@@ -214,10 +215,34 @@ class EngineConfig(Section):
     vllm_enforce_eager: bool = option(True, "vllm: no CUDA graphs (False captures them: faster decode, slower start)")
     vllm_prefix_cache: bool = option(True, "vllm: reuse a prompt's keys and values across its G samples")
     vllm_max_model_len: int | None = option(None, "vllm: the engine's context length; None = the model's limit")
+    vllm_mode: str = option(
+        "colocate",
+        "vllm: colocate = an engine in the trainer's process; server = the vLLM servers of vllm_server_urls "
+        "(started with grpo-fast serve), weights pushed to them after each optimizer step",
+    )
+    vllm_server_urls: list | None = option(
+        None, "vllm_mode server: the servers' base URLs (http://host:8000), one or more; a group stays on one"
+    )
+    vllm_server_timeout_s: float = option(
+        240.0, "vllm_mode server: how long to wait for a server to answer at start, and for any one request"
+    )
 
     def validate(self) -> None:
         self.choice("generator", ENGINES)
+        self.choice("vllm_mode", VLLM_MODES)
         int_at_least(self, "vllm_max_model_len", 2, optional=True)
+        server = self.vllm_mode == "server"
+        require(
+            not server or self.generator == "vllm",
+            f"vllm_mode='server' needs generator='vllm', got generator={self.generator!r}",
+        )
+        require(
+            server == bool(self.vllm_server_urls),
+            f"vllm_server_urls must list one or more URLs exactly when vllm_mode='server', got "
+            f"{self.vllm_server_urls!r} with vllm_mode={self.vllm_mode!r}",
+        )
+        timeout = self.vllm_server_timeout_s
+        require(timeout > 0, f"vllm_server_timeout_s must be > 0, got {timeout!r}")
         require(
             not self.compile_generation or self.generator == "sampler",
             f"compile_generation needs generator='sampler' (it compiles that engine's decode step), "

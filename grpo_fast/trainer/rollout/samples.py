@@ -51,6 +51,9 @@ class Samples:
     # the vllm engine's, or a rollout worker's (older weights: asynchronous rollouts)
     sampling_logprobs: torch.Tensor | None = None
     policy_version: int | None = None  # optimizer steps of the weights that sampled them (a rollout worker's)
+    # [N, C] long the version each completion token was sampled at, -1 off the completion mask: an
+    # engine on servers that take the weights apart from the trainer (vllm_mode server), or None
+    token_versions: torch.Tensor | None = None
     # [k, C] the reference log-probs of the first k rows, computed ahead by a rollout worker
     # (the trainer computes the others), or None
     ref_logprobs: torch.Tensor | None = None
@@ -116,7 +119,7 @@ def groups_with_signal(rewards: torch.Tensor, group_size: int, reward_weights=No
 
 
 # The per-row tensors a batch may lack (None), besides the ones every batch has.
-PER_ROW_OPTIONAL = ("sampling_logprobs", "tool_counts", "env_counts")
+PER_ROW_OPTIONAL = ("sampling_logprobs", "token_versions", "tool_counts", "env_counts")
 
 
 def select_groups(batch: Samples, groups: torch.Tensor, group_size: int) -> Samples:
@@ -148,10 +151,11 @@ def concat_samples(parts: list, pad_token_id: int) -> Samples:
 
     widths = [part.completion_mask.shape[1] for part in parts]
 
-    def completion_grid(name):  # [n, c] -> [N, C], padded on the right
+    def completion_grid(name, fill=0):  # [n, c] -> [N, C], padded on the right with fill
         if getattr(parts[0], name) is None:
             return None
-        return torch.cat([torch.nn.functional.pad(getattr(part, name), (0, C - c)) for part, c in zip(parts, widths)])
+        pad = torch.nn.functional.pad
+        return torch.cat([pad(getattr(part, name), (0, C - c), value=fill) for part, c in zip(parts, widths)])
 
     return dataclasses.replace(
         parts[0],
@@ -162,6 +166,7 @@ def concat_samples(parts: list, pad_token_id: int) -> Samples:
         attention_mask=torch.cat([widen(part.attention_mask, c, 0) for part, c in zip(parts, widths)]),
         completion_mask=completion_grid("completion_mask"),
         sampling_logprobs=completion_grid("sampling_logprobs"),
+        token_versions=completion_grid("token_versions", fill=-1),
         rewards=torch.cat([part.rewards for part in parts]),
         **{
             name: None if getattr(parts[0], name) is None else torch.cat([getattr(part, name) for part in parts])
@@ -225,6 +230,7 @@ def rollout(
         completion_mask=out.completion_mask,
         rewards=score(reward_funcs, prompts, completions, scored),
         sampling_logprobs=out.logprobs if keep_logprobs or generator.drifts else None,
+        token_versions=out.versions,
         tool_counts=tool_counts,
         env_counts=env_counts,
     )

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from grpo_fast.spec import fields_of
-from grpo_fast.trainer.choices import ENGINES
+from grpo_fast.trainer.choices import ENGINES, VLLM_MODES
 from grpo_fast.trainer.runtime import Runtime
 
 
@@ -36,7 +36,8 @@ class EngineSettings:
     batch_size: the rows of one rollout (vLLM's CPU KV cache is sized for it).
     compile_generation: our sampler's static cache and CUDA graph.
     model, model_revision: the folder or Hub name vLLM starts from (None: the policy, saved).
-    vllm_*: the vLLM engine's options (see :class:`~grpo_fast.trainer.GRPOConfig`).
+    vllm_*: the vLLM engine's options, where it runs (``vllm_mode``: in this process or on
+        the servers of ``vllm_server_urls``) among them (see :class:`~grpo_fast.trainer.GRPOConfig`).
     """
 
     seed: int
@@ -54,6 +55,9 @@ class EngineSettings:
     vllm_enforce_eager: bool
     vllm_prefix_cache: bool
     vllm_max_model_len: int | None
+    vllm_mode: str
+    vllm_server_urls: list | None
+    vllm_server_timeout_s: float
 
     @classmethod
     def of(cls, config, **changes) -> EngineSettings:
@@ -72,6 +76,9 @@ class Generation(NamedTuple):
                                  0 on the tools' tokens, which the attention mask keeps as context
     completions      [N] str     decoded without special tokens
     logprobs         [N, C]      the sampler's log-probs of the sampled tokens, or None
+    versions         [N, C] long the policy version (optimizer steps) each completion token was
+                                 sampled at, -1 off the completion mask; None: the engine's
+                                 weights are the policy's own or follow it before each rollout
     """
 
     input_ids: torch.Tensor
@@ -79,6 +86,7 @@ class Generation(NamedTuple):
     completion_mask: torch.Tensor
     completions: list
     logprobs: torch.Tensor | None = None
+    versions: torch.Tensor | None = None
 
 
 class Turns:
@@ -144,7 +152,7 @@ def make_generator(name: str, model, tokenizer, settings: EngineSettings, runtim
     ``settings`` in ``runtime`` (default: a single process at float32 on the model's device)."""
     if name not in ENGINES:
         raise ValueError(f"generator must be one of {tuple(ENGINES)}, got {name!r}")
-    module, cls = ENGINES[name].split(":")
+    module, cls = (VLLM_MODES[settings.vllm_mode] if name == "vllm" else ENGINES[name]).split(":")
     return getattr(importlib.import_module(module), cls)(model, tokenizer, settings, runtime)
 
 

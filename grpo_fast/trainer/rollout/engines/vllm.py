@@ -43,6 +43,30 @@ INSTALL = (
 _SEED_STRIDE = 1_000_003
 
 
+def sampling_options(settings, n: int, key: int, max_tokens: int, stop_token_ids: list) -> dict:
+    """One request's sampling options, under the names both ``vllm.SamplingParams`` and vLLM's
+    OpenAI completions endpoint take: ``n`` samples at the run's temperature, top-p and top-k,
+    at most ``max_tokens`` each, ending at a stop id, with the sampled token's log-prob, seeded
+    by (settings.seed, ``key``): vLLM seeds the g-th of the n samples with the seed + g."""
+    return dict(
+        n=n,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k if settings.top_k > 0 else -1,
+        max_tokens=max_tokens,
+        stop_token_ids=stop_token_ids,
+        logprobs=0,  # the sampled token's only
+        seed=(settings.seed * _SEED_STRIDE + key * n) % 2**63,
+    )
+
+
+def turn_key(keys: list, group_size: int, row: int, length: int) -> int:
+    """The seed key of a multi-turn rollout's turn: its row (prompt ``keys[row // G]``, sample
+    ``row % G``) and the length of its sequence so far, so that a turn's draw is a function of
+    its identity."""
+    return keys[row // group_size] * group_size + row % group_size + length * _SEED_STRIDE**2
+
+
 def import_vllm():
     """The ``vllm`` module, in-process engine mode; ImportError with the install line when absent."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -305,14 +329,7 @@ class VLLMGenerator(Generator):
         requests = [{"prompt_token_ids": ids[len(ids) - n :]} for ids, n in zip(prompt_ids.tolist(), lengths)]
         params = [
             SamplingParams(
-                n=group_size,
-                temperature=settings.temperature,
-                top_p=settings.top_p,
-                top_k=settings.top_k if settings.top_k > 0 else -1,
-                max_tokens=settings.max_new_tokens,
-                stop_token_ids=[tokenizer.eos_token_id],
-                logprobs=0,  # the sampled token's only
-                seed=(settings.seed * _SEED_STRIDE + key * group_size) % 2**63,
+                **sampling_options(settings, group_size, key, settings.max_new_tokens, [tokenizer.eos_token_id]),
                 detokenize=False,
             )
             for key in keys
@@ -345,14 +362,7 @@ class VLLMGenerator(Generator):
         def sample(rows: list, sequences: list, rooms: list, stop_ids: list) -> list:
             params = [
                 SamplingParams(
-                    temperature=settings.temperature,
-                    top_p=settings.top_p,
-                    top_k=settings.top_k if settings.top_k > 0 else -1,
-                    max_tokens=room,
-                    stop_token_ids=stop_ids,
-                    logprobs=0,
-                    seed=(settings.seed * _SEED_STRIDE + keys[r // G] * G + r % G + len(seq) * _SEED_STRIDE**2) % 2**63,
-                    detokenize=False,
+                    **sampling_options(settings, 1, turn_key(keys, G, r, len(seq)), room, stop_ids), detokenize=False
                 )
                 for r, seq, room in zip(rows, sequences, rooms)
             ]
