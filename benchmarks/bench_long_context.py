@@ -316,6 +316,53 @@ def compare(curves: list, cap_bytes: float, group_size: int) -> list:
     return rows
 
 
+TABLE_COLUMNS = [
+    "trainer",
+    "model",
+    "checkpointing",
+    "L",
+    "peak GiB",
+    "step s",
+    "fwd+bwd s",
+    "optimizer s",
+    "B/token",
+    "exponent",
+]
+
+
+def table_rows(results: dict) -> list:
+    """A row per point: its peak, seconds and phases, and the bytes per completion token and the
+    time's exponent from the point before it (a skipped or failed point says why)."""
+    rows = []
+    for curve in results["curves"]:
+        previous = None
+        for p in curve["points"]:
+            row = dict(
+                trainer=curve["trainer"],
+                model=curve["model"],
+                checkpointing="on" if curve["checkpointing"] else "off",
+                L=p["length"],
+            )
+            if "peak_bytes" not in p:
+                row["peak GiB"] = p.get("skipped") or p.get("error")
+            else:
+                row.update(
+                    {
+                        "peak GiB": f"{p['peak_bytes'] / 2**30:.2f}",
+                        "step s": f"{p['step_s']:.1f}",
+                        "fwd+bwd s": f"{p['phases']['forward_backward_s']:.1f}",
+                        "optimizer s": f"{p['phases']['optimizer_s']:.1f}",
+                    }
+                )
+                if previous is not None:
+                    pair = summarize([previous, p], math.inf, 1)
+                    row["B/token"] = f"{pair['marginal_bytes_per_token'][0]:,.0f}"
+                    row["exponent"] = f"{pair['time_exponents'][0]:.2f}"
+                previous = p
+            rows.append(row)
+    return rows
+
+
 def plot(results: dict, path: str) -> None:
     """Peak memory and step time against completion length, log-log, a line per curve."""
     from matplotlib.figure import Figure  # no pyplot: the caller's plotting backend is left alone
@@ -454,6 +501,9 @@ def main(argv=None) -> int:
         run_curve(curve, options, echo=lambda line: print(line, flush=True), saved=save)
         save()
     plot(results, plot_path)
+    from grpo_fast.bench.measure import print_table
+
+    print_table(table_rows(results), TABLE_COLUMNS)
     for row in results["comparisons"]:
         print(json.dumps(row))
     print(f"wrote {json_path} and {plot_path}")
