@@ -22,11 +22,14 @@ Three measurements; each point runs in a fresh process (one thread, the mmap thr
               a boolean key mask [G, 1, L, P + L], SmolLM2's 9 query and 3 key-value heads
               taken as they are), forward and backward, at each of ``--lengths``: the working
               set of the layer recomputed in the backward, and SDPA's float copy of the mask.
+              ``--mask lower-right`` gives the same attention (one prompt length a grid) as
+              torch's ``causal_lower_right`` bias instead of a boolean tensor.
 
     python benchmarks/long_context_accounting.py layers --layer-counts 2 8 --lengths 1024 2048
     python benchmarks/long_context_accounting.py trl-head --tokens 1024 2048 4096 8192
     python benchmarks/long_context_accounting.py trl-step --lengths 512 1024 --token-chunk 1024
     python benchmarks/long_context_accounting.py attention --lengths 1024 2048 4096
+    python benchmarks/long_context_accounting.py attention --lengths 1024 2048 4096 --mask lower-right
 """
 
 import argparse
@@ -92,7 +95,12 @@ def attention_worker(spec: dict) -> dict:
     heads, kv_heads = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"]
     q = torch.randn(G, heads, L, d, requires_grad=True)
     k, v = (torch.randn(G, kv_heads, P + L, d, requires_grad=True) for _ in range(2))
-    mask = torch.ones(L, P + L, dtype=torch.bool).tril(P).expand(G, 1, L, P + L).contiguous()  # prompt + causal
+    if spec["mask"] == "lower-right":  # query i sees keys up to P + i: its prompt, then causal
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(L, P + L)
+    else:
+        mask = torch.ones(L, P + L, dtype=torch.bool).tril(P).expand(G, 1, L, P + L).contiguous()
     grad = torch.randn(G, heads, L, d)
     risen = _high_water_from_here()
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -101,7 +109,8 @@ def attention_worker(spec: dict) -> dict:
     return dict(
         forward_peak_bytes=forward_peak,
         peak_bytes=risen(),
-        mask_elements=mask.numel(),
+        mask_elements=G * L * (P + L),
+        mask=spec["mask"],
         output_bytes=out.numel() * out.element_size(),
     )
 
@@ -126,7 +135,7 @@ def specs(args: argparse.Namespace) -> list:
     if args.mode == "trl-head":
         return [(this, dict(tokens=n)) for n in args.tokens]
     if args.mode == "attention":
-        return [(this, dict(completion_length=n)) for n in args.lengths]
+        return [(this, dict(completion_length=n, mask=args.mask)) for n in args.lengths]
     if args.mode == "trl-step":
         return [
             (this, dict(point_spec("smollm2", n, True, PROMPT, GROUP), token_chunk=args.token_chunk))
@@ -173,6 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layer-counts", nargs="+", type=int, default=[2, 8], help="layers: decoder layers")
     parser.add_argument("--trainers", nargs="+", default=["grpo_fast"], help="layers: grpo_fast and/or trl")
     parser.add_argument("--checkpointing", default="on", help="layers: on or off")
+    parser.add_argument("--mask", choices=["bool", "lower-right"], default="bool", help="attention: the mask")
     parser.add_argument("--tokens", nargs="+", type=int, default=[1024, 2048, 4096, 8192], help="trl-head: N")
     parser.add_argument("--token-chunk", type=int, default=1024, help="trl-step: TRL's TOKEN_CHUNK_SIZE (4096 shipped)")
     parser.add_argument("--json", help="where to write the points")
