@@ -147,6 +147,19 @@ def real_model_vs_trl(data):
     return [f"{trl['curve'][-1]['seconds'] / ours['curve'][-1]['seconds']:.2f}x", f"{step_s(trl) / step_s(ours):.2f}x"]
 
 
+def long_context(data):
+    (row,) = (r for r in data["comparisons"] if (r["model"], r["checkpointing"]) == ("smollm2", True))
+    peaks = dict(zip(row["lengths"], row["peak_ratios"]))
+
+    def slope(trainer):  # bytes a completion token from 1K to 2K
+        (curve,) = (c for c in data["curves"] if c["trainer"] == trainer and c["checkpointing"])
+        points = {p["length"]: p for p in curve["points"] if "peak_bytes" in p}
+        a, b = points[1024], points[2048]
+        return (b["peak_bytes"] - a["peak_bytes"]) / (b["completion_tokens"] - a["completion_tokens"])
+
+    return [f"{peaks[2048]:.2f}x", f"{slope('grpo_fast') / slope('trl'):.2f}x"]
+
+
 HEADLINES = {
     "ops_cpu_2threads.json": ops_loss_bf16,
     "fused_linear_cpu.json": fused_linear,
@@ -156,6 +169,7 @@ HEADLINES = {
     "memory_cpu_qwen2.5-0.5b.json": grpo_vs_ppo,
     "async_cpu_realistic.json": async_speed,
     "real_model_vs_trl_cpu.json": real_model_vs_trl,
+    "long_context_cpu_smollm2_on.json": long_context,
 }
 
 

@@ -13,16 +13,22 @@ _TOKENIZER_NOT_USED = object()  # the trainers need a tokenizer only to sample a
 SWEEP_ROUTES = {"grpo_fused_compiled": "1", "grpo_fused_chunked": "0"}
 
 
-def _synthetic_batch(N: int, P: int, C: int, V: int, device):
-    """A fixed rollout: prompts of P tokens, completions of C // 2 + 1 to C tokens, rewards in {0, 1}."""
+def synthetic_batch(N: int, P: int, C: int, V: int, device, exact: bool = False):
+    """A fixed rollout: prompts of P tokens, completions of C // 2 + 1 to C tokens, rewards in
+    {0, 1}; with ``exact`` every completion has C tokens and the rewards alternate 0, 1, so
+    that every group of an even size carries a gradient. Tensors [N, P + C], [N, C], [N, 1]."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, V, (N, P + C), generator=g)
-    lengths = torch.randint(C // 2 + 1, C + 1, (N, 1), generator=g)
+    if exact:
+        lengths = torch.full((N, 1), C)
+        rewards = (torch.arange(N) % 2).float().unsqueeze(1)
+    else:
+        lengths = torch.randint(C // 2 + 1, C + 1, (N, 1), generator=g)
+        rewards = torch.randint(0, 2, (N, 1), generator=g).float()  # [N, K=1]
     completion_mask = (torch.arange(C).unsqueeze(0) < lengths).float()  # [N, C]
     attention_mask = torch.cat([torch.ones(N, P, dtype=torch.long), completion_mask.long()], dim=1)
-    rewards = torch.randint(0, 2, (N, 1), generator=g).float()  # [N, K=1]
     return dict(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
@@ -47,7 +53,7 @@ def _fixed_source(batch: dict, ranks):
     return FixedSamples()
 
 
-def _build_policy(spec: dict):
+def build_policy(spec: dict):
     """The preset's model built from its config, or ``model_path`` (a local folder, or a Hub
     name as the trainer takes it, downloaded by ``from_pretrained`` when not cached)."""
     import torch
@@ -73,8 +79,31 @@ def _state_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
+def start_optimizer_state(optimizer) -> None:
+    """Creates ``optimizer``'s per-parameter state (AdamW's two moments) by a step at learning
+    rate 0 on zero gradients, which moves no weight: the next training step then holds the
+    state from its start, as every step of a run after the first does, so that one step shows
+    the steady state's peak (a benchmark whose steps take minutes cannot afford a second)."""
+    import torch
+
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+
+
 def worker(spec: dict) -> dict:
-    """One configuration's peak over two steps and the time of ``repeats`` more; runs in a fresh process."""
+    """One configuration's peak over ``steps`` steps (default two) and the time of ``repeats``
+    more (none: the last measured step's seconds); runs in a fresh process. Optional keys of
+    ``spec``: ``exact_lengths`` (every completion ``completion_length`` tokens),
+    ``gradient_checkpointing``, ``optimizer_state_first`` (:func:`start_optimizer_state`
+    before the first step)."""
     name = spec["config"]
     if name == "grpo_eager":
         os.environ["GRPO_FAST_BACKEND"] = "reference"
@@ -94,7 +123,7 @@ def worker(spec: dict) -> dict:
     cuda = device.type == "cuda"
     baseline = torch.cuda.memory_allocated(device) if cuda else current_rss_bytes()
 
-    policy = _build_policy(spec)
+    policy = build_policy(spec)
     N, P, C = spec["batch"], spec["prompt_length"], spec["completion_length"]
     V = policy.get_output_embeddings().weight.shape[0]
     options = dict(
@@ -107,6 +136,7 @@ def worker(spec: dict) -> dict:
         warmup_steps=0,
         device=str(device),
         parallel=spec.get("parallel", "ddp"),
+        gradient_checkpointing=spec.get("gradient_checkpointing", False),
         progress=False,
     )
     strategy = PPO() if name == "ppo" else None  # GRPO's own by default
@@ -114,14 +144,28 @@ def worker(spec: dict) -> dict:
         GRPOConfig(**options), model=policy, tokenizer=_TOKENIZER_NOT_USED, rows=[{"prompt": ""}], strategy=strategy
     )
     ranks = trainer.runtime.ranks
-    trainer.source = _fixed_source(_synthetic_batch(N, P, C, V, device), ranks)
+    trainer.source = _fixed_source(synthetic_batch(N, P, C, V, device, spec.get("exact_lengths", False)), ranks)
 
+    if spec.get("optimizer_state_first"):
+        start_optimizer_state(trainer.optimizer)
+    optimizer_s = _time_calls(trainer, "optimizer_step")
+    # Without optimizer_state_first the first step creates the optimizer's moments and the second
+    # holds them in its backward. On CUDA each step resets the peak counter: each peak is its own step's.
     peaks = []
-    for _ in range(2):  # the first step creates the optimizer's moments; the second holds them in its backward
-        trainer.train_step()  # (on CUDA it resets the peak counter: each peak is its own step's)
+    for _ in range(spec.get("steps", 2)):
+        metrics = trainer.train_step()
         peaks.append((torch.cuda.max_memory_allocated(device) if cuda else peak_rss_bytes()) - baseline)
     peak = max(peaks)
-    timing = time_fn(trainer.train_step, warmup=0, repeats=spec["repeats"])
+    phases = dict(  # the last measured step's, from the trainer's clock (the optimizer's by the host's)
+        prepare_s=metrics["time/prepare_s"],
+        forward_backward_s=metrics["time/update_s"] - optimizer_s[-1],
+        optimizer_s=optimizer_s[-1],
+    )
+    if spec["repeats"]:
+        timing = time_fn(trainer.train_step, warmup=0, repeats=spec["repeats"])
+    else:
+        step_s = metrics["time/rollout_s"] + metrics["time/prepare_s"] + metrics["time/update_s"]
+        timing = dict(median_s=step_s, p20_s=step_s, p80_s=step_s)
 
     trainable = [p for p in trainer.policy.parameters() if p.requires_grad]
     held = list(trainer.policy.parameters())
@@ -147,6 +191,7 @@ def worker(spec: dict) -> dict:
         step_s=timing["median_s"],
         step_p20_s=timing["p20_s"],
         step_p80_s=timing["p80_s"],
+        phases=phases,
         **states,
         logits_bytes=logits,
         rest_bytes=int(peak) - sum(states.values()),
@@ -166,6 +211,23 @@ def worker(spec: dict) -> dict:
     # tensors; seen in 1 of 2 runs here): the numbers are out, so leave without the teardown.
     sys.stderr.flush()
     os._exit(0)
+
+
+def _time_calls(owner, name: str) -> list:
+    """Wraps ``owner.name`` (on the instance) to append each call's seconds to the list returned."""
+    import time
+
+    seconds, inner = [], getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    setattr(owner, name, timed)
+    return seconds
 
 
 # ---------------------------------------------------------------- the driver
