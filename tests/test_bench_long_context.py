@@ -21,13 +21,13 @@ def test_quick_curve_grows_with_length(tmp_path, capsys):
     (curve,) = results["curves"]
     assert (curve["trainer"], curve["model"], curve["checkpointing"]) == ("grpo_fast", "tiny", True)
     short, long = curve["points"]
-    assert (short["length"], long["length"]) == (32, 64)
-    assert long["completion_tokens"] == 2 * short["completion_tokens"] == 4 * 64
-    assert long["forwarded_tokens"] == 8 + 4 * 64  # the prompt once
+    assert (short["length"], long["length"]) == (64, 1024)
+    assert long["completion_tokens"] == 16 * short["completion_tokens"] == 4 * 1024
+    assert long["forwarded_tokens"] == 8 + 4 * 1024  # the prompt once
     assert long["peak_bytes"] > short["peak_bytes"] > 0  # the step's activations grow with L
     assert long["step_s"] > 0 and set(long["phases"]) == {"prepare_s", "forward_backward_s", "optimizer_s"}
     assert curve["bytes_per_completion_token"] > 0 and len(curve["time_exponents"]) == 1
-    assert curve["longest_fitting_length"] == 64
+    assert curve["longest_fitting_length"] == 1024
     assert results["meta"]["kv_cache_bytes_per_token"]["tiny"] == 2 * 2 * 4 * 16 * 4  # 2 layers, 4 heads of 16
     assert (tmp_path / "long.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

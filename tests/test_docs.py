@@ -165,7 +165,7 @@ HEADLINES = {
     "fused_linear_cpu.json": fused_linear,
     "trl_cpu.json": trl_update,
     "trainer_cpu_engines_realistic.json": trainer_speed,
-    "trainer_cpu_engines_long_prompt.json": shared_prefix_speed,
+    "trainer_cpu_engines_long_prompt_cost_model.json": shared_prefix_speed,
     "memory_cpu_qwen2.5-0.5b.json": grpo_vs_ppo,
     "async_cpu_realistic.json": async_speed,
     "real_model_vs_trl_cpu.json": real_model_vs_trl,
