@@ -152,6 +152,25 @@ def full_weights(model):
         yield name, tensor
 
 
+def synced_prompts(engine: Generator, prompts: list, keys: list, whose: str, limit: int, remedy: str):
+    """A vLLM engine's first steps of ``generate``: ``keys`` checked (one per prompt), the
+    engine's weights synced with the policy, the prompts left-padded to [B, P] ids and mask with
+    their lengths [B]; ValueError naming ``whose`` context of ``limit`` tokens (and ``remedy``)
+    when the longest prompt and ``max_new_tokens`` do not fit in it."""
+    settings = engine.settings
+    if len(keys) != len(prompts):
+        raise ValueError(f"keys must give one key per prompt ({len(prompts)}), got {len(keys)}")
+    engine.sync()
+    prompt_ids, prompt_mask = encode_prompts(engine.tokenizer, prompts, settings.max_prompt_length)
+    lengths = prompt_mask.sum(1).tolist()
+    if max(lengths) + settings.max_new_tokens > limit:
+        raise ValueError(
+            f"a prompt of {max(lengths)} tokens + max_new_tokens={settings.max_new_tokens} exceeds {whose} "
+            f"max_model_len {limit}: {remedy}"
+        )
+    return prompt_ids, prompt_mask, lengths
+
+
 def whole_prefills(length: int) -> dict:
     """vLLM settings that prefill each prompt in one engine step (CPU). A seeded request whose
     prefill is split over steps has its generator rewound after each partial step, which a CPU
@@ -313,17 +332,10 @@ class VLLMGenerator(Generator):
         from vllm import SamplingParams
 
         settings, tokenizer = self.settings, self.tokenizer
-        if len(keys) != len(prompts):
-            raise ValueError(f"keys must give one key per prompt ({len(prompts)}), got {len(keys)}")
-        self.sync()
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, settings.max_prompt_length)
-        lengths = prompt_mask.sum(1).tolist()
         limit = self.llm.llm_engine.model_config.max_model_len
-        if max(lengths) + settings.max_new_tokens > limit:
-            raise ValueError(
-                f"a prompt of {max(lengths)} tokens + max_new_tokens={settings.max_new_tokens} exceeds the engine's "
-                f"max_model_len {limit}: set vllm_max_model_len or max_prompt_length"
-            )
+        prompt_ids, prompt_mask, lengths = synced_prompts(
+            self, prompts, keys, "the engine's", limit, "set vllm_max_model_len or max_prompt_length"
+        )
         if turns is not None:
             return self._generate_turns(prompt_ids, prompt_mask, group_size, keys, turns)
         requests = [{"prompt_token_ids": ids[len(ids) - n :]} for ids, n in zip(prompt_ids.tolist(), lengths)]

@@ -40,9 +40,15 @@ from grpo_fast.trainer.rollout.engines import (
     Turns,
     assemble,
     continue_turns,
-    encode_prompts,
 )
-from grpo_fast.trainer.rollout.engines.vllm import base_model, full_weights, import_vllm, sampling_options, turn_key
+from grpo_fast.trainer.rollout.engines.vllm import (
+    base_model,
+    full_weights,
+    import_vllm,
+    sampling_options,
+    synced_prompts,
+    turn_key,
+)
 
 WORKER_EXTENSION = "grpo_fast.trainer.rollout.engines.vllm_transfer.ServerExtension"
 _MAX_REQUESTS = 64  # requests in flight at once, over every server
@@ -276,17 +282,10 @@ class VLLMServerGenerator(Generator):
         index) as the colocated engine seeds them; the rollout layout of :class:`Generation`
         with the servers' log-probs and each token's version."""
         settings, tokenizer = self.settings, self.tokenizer
-        if len(keys) != len(prompts):
-            raise ValueError(f"keys must give one key per prompt ({len(prompts)}), got {len(keys)}")
-        self.sync()
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, settings.max_prompt_length)
-        lengths = prompt_mask.sum(1).tolist()
         limit = min(s.max_model_len for s in self.servers)
-        if max(lengths) + settings.max_new_tokens > limit:
-            raise ValueError(
-                f"a prompt of {max(lengths)} tokens + max_new_tokens={settings.max_new_tokens} exceeds the servers' "
-                f"max_model_len {limit}: set max_prompt_length, or serve a longer context"
-            )
+        prompt_ids, prompt_mask, lengths = synced_prompts(
+            self, prompts, keys, "the servers'", limit, "set max_prompt_length, or serve a longer context"
+        )
         G, device, version = group_size, self.device, self.published
         ids, mask = (
             prompt_ids.repeat_interleave(G, dim=0).to(device),
