@@ -50,34 +50,19 @@ PROMPT, GROUP = 256, 4  # bench_long_context's defaults
 TRL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_long_context.py")  # its TRL worker
 
 
-def _high_water_from_here():
-    """A function giving the bytes by which the process's peak RSS has risen above its RSS now:
-    the kernel's high-water mark reset first (``/proc/self/clear_refs``), so that a higher
-    peak before, while torch and the libraries loaded, does not hide the one measured."""
-    from grpo_fast.bench.measure import current_rss_bytes
-
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    baseline = current_rss_bytes()
-
-    def risen() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) - baseline
-
-    return risen
-
-
 def head_worker(spec: dict) -> dict:
     """Peak RSS growth of TRL's chunked head on ``spec["tokens"]`` tokens over its inputs."""
     import torch
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    from grpo_fast.bench.measure import rss_rise_from_here
 
     torch.manual_seed(0)
     N, H, V = spec["tokens"], SMOLLM2["hidden_size"], SMOLLM2["vocab_size"]
     hidden = torch.randn(N, H, requires_grad=True)
     weight = (torch.randn(V, H) * H**-0.5).requires_grad_()
     targets = torch.randint(V, (N,))
-    risen = _high_water_from_here()
+    risen = rss_rise_from_here()
     logprobs, *_ = ChunkedLogProbFunction.apply(
         hidden, weight, None, targets, 1.0, 32768, None, 1.0, ("log_probs", "entropy")
     )
@@ -89,6 +74,8 @@ def head_worker(spec: dict) -> dict:
 def attention_worker(spec: dict) -> dict:
     """Peak RSS growth of one masked SDPA call on a completion grid over its inputs (docstring)."""
     import torch
+
+    from grpo_fast.bench.measure import rss_rise_from_here
 
     torch.manual_seed(0)
     L, P, G, d = spec["completion_length"], PROMPT, GROUP, 64
@@ -102,7 +89,7 @@ def attention_worker(spec: dict) -> dict:
     else:
         mask = torch.ones(L, P + L, dtype=torch.bool).tril(P).expand(G, 1, L, P + L).contiguous()
     grad = torch.randn(G, heads, L, d)
-    risen = _high_water_from_here()
+    risen = rss_rise_from_here()
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     forward_peak = risen()
     out.backward(grad)

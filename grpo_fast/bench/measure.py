@@ -49,20 +49,32 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def rss_rise_from_here():
+    """A function giving the bytes by which the process's peak RSS has risen above its RSS now,
+    read as often as wanted: the kernel's high-water mark reset first (``/proc/self/clear_refs``;
+    VmHWM), so that an earlier, higher peak (a warm-up call, the libraries' loading) does not
+    hide the one measured."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = current_rss_bytes()
+
+    def risen() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) - before
+
+    return risen
+
+
 def peak_rss_growth(fn, reset: bool = False) -> int:
     """Bytes by which the process's peak RSS rises above its current RSS while ``fn`` runs.
-    ``reset`` first resets the kernel's high-water mark (``/proc/self/clear_refs``; VmHWM), so
-    that an earlier, higher peak (a warm-up call) does not hide this call's."""
+    ``reset``: measured from a reset high-water mark (:func:`rss_rise_from_here`)."""
     if reset:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        risen = rss_rise_from_here()
+        fn()
+        return max(0, risen())
     before = current_rss_bytes()
     fn()
-    if not reset:
-        return max(0, peak_rss_bytes() - before)
-    with open("/proc/self/status") as f:
-        high_water = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    return max(0, high_water - before)
+    return max(0, peak_rss_bytes() - before)
 
 
 def cuda_peak_extra_bytes(fn, device: str):
