@@ -17,8 +17,9 @@ the training step after sampling on a fixed synthetic batch of one group (a prom
 
 Both start from AdamW's moments already made (``memory_step.start_optimizer_state``), so that
 one step shows the steady state's peak: a step at 0.5B parameters and thousands of tokens
-takes minutes on a CPU, and a second step would double every point. Peak memory is the growth
-of the process's peak resident set from just before the model is built, glibc's mmap threshold
+takes minutes on a CPU, and a second step would double every point. Peak memory is the step's
+peak resident set (high-water mark reset just before it) over the RSS from just before the model
+is built, glibc's mmap threshold
 fixed (``memory.MALLOC_ENV``), as ``grpo-fast bench memory`` measures it; time is that one
 step's seconds (its first-call overheads are milliseconds against minutes), with its phases:
 forward + backward and the optimizer step (ours also ``prepare``: advantages and the packing).
@@ -126,7 +127,7 @@ def trl_worker(spec: dict) -> dict:
     from trl import GRPOTrainer as TRLTrainer
 
     from grpo_fast import group_advantages
-    from grpo_fast.bench.measure import current_rss_bytes, peak_rss_bytes
+    from grpo_fast.bench.measure import current_rss_bytes, peak_rss_bytes, reset_peak_rss
     from grpo_fast.bench.memory_step import build_policy, start_optimizer_state, synthetic_batch
     from grpo_fast.tasks.arithmetic import build_tokenizer
     from grpo_fast.trainer import GRPOConfig
@@ -172,6 +173,7 @@ def trl_worker(spec: dict) -> dict:
         model.train()
         optimizer = trainer.create_optimizer()
         start_optimizer_state(optimizer)
+        reset_peak_rss()  # the step's own peak, as memory_step.worker measures ours
         start = time.perf_counter()
         trainer.compute_loss(model, inputs).backward()
         backward_done = time.perf_counter()

@@ -8,7 +8,6 @@ one configuration (docs/design.md, "How we measure"): ``run_isolated`` starts
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -44,25 +43,26 @@ def current_rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def reset_peak_rss() -> None:
+    """Lowers the kernel's high-water mark of this process's resident set (VmHWM) to its RSS
+    now, so that an earlier, higher peak (a warm-up call, the libraries' loading) does not hide
+    the next one that :func:`peak_rss_bytes` reads."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def peak_rss_bytes() -> int:
-    """The process's peak resident set so far (ru_maxrss is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The process's peak resident set since it started or since the last :func:`reset_peak_rss`."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def rss_rise_from_here():
     """A function giving the bytes by which the process's peak RSS has risen above its RSS now,
-    read as often as wanted: the kernel's high-water mark reset first (``/proc/self/clear_refs``;
-    VmHWM), so that an earlier, higher peak (a warm-up call, the libraries' loading) does not
-    hide the one measured."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    read as often as wanted, from a reset high-water mark (:func:`reset_peak_rss`)."""
+    reset_peak_rss()
     before = current_rss_bytes()
-
-    def risen() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) - before
-
-    return risen
+    return lambda: peak_rss_bytes() - before
 
 
 def peak_rss_growth(fn, reset: bool = False) -> int:

@@ -22,8 +22,9 @@ grpo_fused picks the route by the logits' size (``ops/_backend.py``).
 
 Peak memory is measured, not estimated, in the steady state: the peak of the second step,
 whose backward runs while AdamW's moments (created by the first step) are held. On CUDA it is
-``torch.cuda.max_memory_allocated``; on CPU the growth of the process's peak resident set
-from just before the model is built, with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_)
+``torch.cuda.max_memory_allocated``; on CPU the step's peak resident set (the kernel's
+high-water mark reset just before the step, so that the libraries' loading cannot hide it) over
+the RSS from just before the model is built, with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_)
 so that every freed tensor leaves the resident set, as it leaves CUDA's allocated bytes;
 otherwise the peak also counts heap fragments that the allocator keeps. Parameters, gradients
 and optimizer states are inside the peak; the analytic columns beside it are their exact

@@ -111,7 +111,7 @@ def worker(spec: dict) -> dict:
         os.environ["GRPO_FAST_CPU_COMPILE"] = SWEEP_ROUTES[name]
     import torch
 
-    from grpo_fast.bench.measure import current_rss_bytes, peak_rss_bytes, time_fn
+    from grpo_fast.bench.measure import current_rss_bytes, peak_rss_bytes, reset_peak_rss, time_fn
     from grpo_fast.bench.ppo import PPO
     from grpo_fast.trainer import GRPOConfig, GRPOTrainer, distributed
 
@@ -150,9 +150,13 @@ def worker(spec: dict) -> dict:
         start_optimizer_state(trainer.optimizer)
     optimizer_s = _time_calls(trainer, "optimizer_step")
     # Without optimizer_state_first the first step creates the optimizer's moments and the second
-    # holds them in its backward. On CUDA each step resets the peak counter: each peak is its own step's.
+    # holds them in its backward. Each peak is its own step's: on CUDA each step resets the peak
+    # counter, on CPU the high-water mark is reset before it (the libraries' loading, or a transient
+    # in building the model, can peak above a small model's step and hide how it grows).
     peaks = []
     for _ in range(spec.get("steps", 2)):
+        if not cuda:
+            reset_peak_rss()
         metrics = trainer.train_step()
         peaks.append((torch.cuda.max_memory_allocated(device) if cuda else peak_rss_bytes()) - baseline)
     peak = max(peaks)
