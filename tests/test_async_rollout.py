@@ -38,7 +38,7 @@ from grpo_fast.trainer import GRPOConfig, GRPOTrainer
 from grpo_fast.trainer.distributed import Ranks
 from grpo_fast.trainer.model.build import reference_context
 from grpo_fast.trainer.rollout.sources import InProcessRollouts
-from grpo_fast.trainer.rollout.worker import WorkerError
+from grpo_fast.trainer.rollout.worker import WeightSlots, WorkerError
 from grpo_fast.trainer.run.run_log import read_metrics
 from grpo_fast.trainer.update.batch import packed_logprobs
 from grpo_fast.trainer.update.passes import sampling_metrics
@@ -385,3 +385,18 @@ def test_torchrun_two_ranks_each_with_a_worker_train_as_one_process(tmp_path):
     rows = read_metrics(out)
     assert [m["staleness"] for m in rows] == [m["staleness"] for m in alone] == [0, 1, 1]
     assert_rows_close(rows, alone, rel=1e-4)
+
+
+def test_the_worker_reads_the_version_a_batch_is_due_or_the_newest_once_it_is_overwritten():
+    import multiprocessing
+
+    weight = torch.zeros(3)
+    slots = WeightSlots([("w", weight)], version=0, context=multiprocessing.get_context("spawn"))
+    for version in (1, 2):  # the trainer's two optimizer steps
+        slots.write([("w", torch.full((3,), float(version)))], version)
+    params = {"w": torch.zeros(3)}
+    assert slots.read(params, loaded=-1, wanted=1) == 1 and params["w"].tolist() == [1.0] * 3  # due, still held
+    assert slots.read(params, loaded=1, wanted=0) == 2 and params["w"].tolist() == [2.0] * 3  # overwritten: newest
+    params["w"].zero_()
+    assert slots.read(params, loaded=2, wanted=2) == 2 and params["w"].tolist() == [0.0] * 3  # loaded: no copy
+    assert slots.read(params, loaded=2, wanted=-1) == 2  # before the run's first version: the newest

@@ -2,7 +2,7 @@
 
     trainer (the training process)               worker (a process of its own, spawned)
     request batch b: its rows and keys  ------>  wait until the weights' version >= b * mu - K
-                                                 load the newest weights from shared memory
+                                                 load version b * mu - K from shared memory
                                                  sample G per prompt, score (rewards, sandbox)
                                                  sampling log-probs: the engine's, or a forward
                                                  reference log-probs of the first micro-batches,
@@ -81,7 +81,7 @@ POLL_S = 0.05  # how often a waiting side checks that the other is still alive
 class WeightSlots:
     """Two slots of shared-memory CPU tensors, one per trainable parameter, each with a lock,
     and the version each holds; the newest published version. The trainer writes the slot the
-    newest version is not in; the worker reads the newest."""
+    newest version is not in; the worker reads the version a batch is due (or the newest)."""
 
     def __init__(self, params: list, version: int, context):
         self.slots = [{name: p.detach().to("cpu", copy=True).share_memory_() for name, p in params} for _ in range(2)]
@@ -98,16 +98,19 @@ class WeightSlots:
             self.versions[slot] = version
         self.newest.value = version
 
-    def read(self, params: dict, loaded: int) -> int:
-        """Copies the newest slot into ``params`` ``{name: tensor}`` unless it holds version
-        ``loaded``; returns the version ``params`` hold now."""
-        slot = self.newest.value % 2
-        with self.locks[slot]:
-            version = self.versions[slot]
-            if version != loaded:
-                for name, tensor in self.slots[slot].items():
-                    params[name].copy_(tensor)
-        return version
+    def read(self, params: dict, loaded: int, wanted: int) -> int:
+        """Copies version ``wanted`` into ``params`` ``{name: tensor}``, or the newest once no
+        slot holds it any more (or yet), unless that version is ``loaded``; returns the version
+        ``params`` hold now."""
+        for slot, only_wanted in ((wanted % 2, True), (self.newest.value % 2, False)):
+            with self.locks[slot]:
+                version = self.versions[slot]
+                if only_wanted and version != wanted:
+                    continue
+                if version != loaded:
+                    for name, tensor in self.slots[slot].items():
+                        params[name].copy_(tensor)
+                return version
 
 
 @dataclasses.dataclass
@@ -314,7 +317,7 @@ def serve(setup: WorkerSetup) -> None:
 
 
 class Worker:
-    """Samples and scores the requested batches with the newest published weights."""
+    """Samples and scores the requested batches, each at the weights it is due (``_load``)."""
 
     def __init__(self, setup: WorkerSetup):
         self.setup, config = setup, setup.config
@@ -348,12 +351,13 @@ class Worker:
         while (request := self._wait_for_request()) is not None:
             index, rows, keys = request
             start = time.perf_counter()
-            while setup.weights.newest.value < index * config.num_iterations - config.max_staleness:
+            due = index * config.num_iterations - config.max_staleness
+            while setup.weights.newest.value < due:
                 if not self._running():
                     return
                 time.sleep(POLL_S / 10)
             weight_wait = time.perf_counter() - start
-            self._load_newest()
+            self._load(due)
             start = time.perf_counter()
             samples = rollout(
                 self.generator,
@@ -399,10 +403,15 @@ class Worker:
             raise SystemExit(0)
         return not self.setup.stop.is_set()
 
-    def _load_newest(self) -> None:
-        """Copies the newest published weights into the model, if not loaded yet, and tells
-        the engine (one with its own copy of them, vllm, reloads)."""
-        self.loaded = self.setup.weights.read(self.params, self.loaded)
+    def _load(self, due: int) -> None:
+        """Copies the weights of version ``due`` into the model (the newest once that version's
+        slot was overwritten, or before the run's first), if not loaded yet, and tells the
+        engine (one with its own copy of them, vllm, reloads). A batch sampled at the version
+        it is due, not at whichever is newest when the worker gets to it, is the same batch
+        however the two processes are scheduled: at K = 1 always (the slots hold the newest
+        version and the one before, and the newest is at most the due one + 1), so a run, and
+        its resumption, repeat bit for bit; at K >= 2 while the worker keeps up."""
+        self.loaded = self.setup.weights.read(self.params, self.loaded, due)
         self.generator.publish(self.loaded)
 
     def _reference_logprobs(self, micro: list, index: int) -> torch.Tensor | None:
