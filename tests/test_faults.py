@@ -249,7 +249,8 @@ def test_resume_auto_starts_fresh_and_skips_a_corrupted_checkpoint(tmp_path, cap
 
 
 # ---------------------------------------------------------------- the CLI, a process of its own
-CLI = [sys.executable, "-m", "grpo_fast", "train", "--steps", "40", "--save-every", "0", "--no-progress"]
+STEPS = 16  # the demo's: a signal after its third step finds it mid-run
+CLI = [sys.executable, "-m", "grpo_fast", "train", "--steps", str(STEPS), "--save-every", "0", "--no-progress"]
 
 
 def wait_for_steps(path: str, steps: int, proc, timeout: float = 120) -> None:
@@ -267,7 +268,7 @@ def wait_for_steps(path: str, steps: int, proc, timeout: float = 120) -> None:
     ids=["sync_sigterm", "async_sigusr1_to_the_group"],
 )
 def test_cli_preempted_exits_75_and_resume_auto_finishes_as_the_uninterrupted_run(tmp_path, mode, signum, group):
-    """``grpo-fast train`` signalled mid-run, at whatever step it is in (the demo, 40 steps,
+    """``grpo-fast train`` signalled mid-run, at whatever step it is in (the demo, STEPS steps,
     no periodic checkpoint): it exits 75 within seconds, saying so in one line, with a
     checkpoint of the last step its metrics logged; the asynchronous worker, signalled with
     the whole process group (as SLURM signals a job step), ignores it and is stopped by the
@@ -293,14 +294,17 @@ def test_cli_preempted_exits_75_and_resume_auto_finishes_as_the_uninterrupted_ru
     assert proc.returncode == 75, stderr[-3000:]
     assert time.time() - sent < 30
     step = len(read_metrics(cut))
-    assert 3 <= step < 40
+    assert 3 <= step < STEPS
     assert f"grpo-fast: preempted by {signal.Signals(signum).name}: checkpoint of step {step}" in stderr
     assert ckpt.latest_checkpoint(cut) == ckpt.checkpoint_path(cut, step)
     assert not [d for d in os.listdir(os.path.join(cut, "checkpoints")) if d.startswith(".tmp")]
 
-    args = ["train", "--steps", "40", "--no-progress", *mode]
+    args = ["train", "--steps", str(STEPS), "--no-progress", *mode]
     assert one_thread(lambda: main([*args, "--output", cut, "--resume", "auto"])) == 0
-    assert one_thread(lambda: main([*args, "--output", periodic, "--save-every", "1", "--keep-checkpoints", "40"])) == 0
+    assert (
+        one_thread(lambda: main([*args, "--output", periodic, "--save-every", "1", "--keep-checkpoints", str(STEPS)]))
+        == 0
+    )
     truth = read_metrics(periodic)
     if mode:
         for later in ckpt.list_checkpoints(periodic)[step:]:
