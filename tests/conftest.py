@@ -31,19 +31,26 @@ torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else min(2, os.cp
 
 # The modules whose tests take longest (a worker's seconds under -n 2 --dist loadfile,
 # --durations=0, 2026-12-07), longest first: collected first, since loadfile hands a module to
-# a worker in collection order, so that neither worker ends the run alone on one of them.
+# a worker in collection order (with --no-loadscope-reorder, pyproject's addopts: xdist would
+# otherwise order modules by their number of tests), so that neither worker ends the run alone
+# on one of them.
 LONGEST_MODULES = (
-    "test_vllm_server.py",  # 171 s (alone, 2026-12-07: two vLLM servers start in 68-97 s of it)
-    "test_real_models.py",  # 150 s
-    "test_distributed.py",  # 132 s
-    "test_guess_number.py",  # 127 s
-    "test_vllm.py",  # 124 s
-    "test_async_rollout.py",  # 124 s
-    "test_faults.py",  # 111 s
-    "test_gpu_script.py",  # 110 s
-    "test_soak_sandbox.py",  # 73 s
-    "test_sandbox.py",  # 69 s
-    "test_ops.py",  # 63 s
+    "test_real_models.py",  # 170 s
+    "test_distributed.py",  # 161 s
+    "test_gpu_script.py",  # 148 s
+    "test_vllm_server.py",  # 142 s (two vLLM servers start in 70-80 s of it)
+    "test_async_rollout.py",  # 136 s
+    "test_faults.py",  # 134 s
+    "test_vllm.py",  # 134 s
+    "test_guess_number.py",  # 130 s
+    "test_bench_trainer.py",  # 79 s
+    "test_real_model_sampling.py",  # 75 s
+    "test_soak_sandbox.py",  # 71 s
+    "test_sandbox.py",  # 71 s
+    "test_ops.py",  # 70 s
+    "test_gpu_compile.py",  # 66 s
+    "test_memory_bench.py",  # 49 s
+    "test_sequence_parallel.py",  # 42 s
 )
 
 
