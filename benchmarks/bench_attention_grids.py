@@ -1,7 +1,7 @@
 """The packed attention on one grid against grids of like length, inside the trainer.
 
 A pack's attention is a few SDPA calls, each on sequences of like length
-(``grpo_fast.packing.layout.attention_grids``), as the host's cost model predicts pays
+(``grpo_fast.packing.grids.attention_grids``), as the host's cost model predicts pays
 (``grpo_fast.packing.cost``: a call's fixed cost against its grid's padding). With padding that
 costs nothing, every pack attends on one grid per kind (causal rows; completions after
 their prompt), as before the grids were split. This script times both on

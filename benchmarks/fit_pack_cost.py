@@ -9,7 +9,8 @@ each of those alone, one torch thread, at the shapes the trainer's packs have (w
     call, row, causal, masked
              SDPA calls, one fit over both kinds: a call's fixed cost, a grid row's (per head
              channel), and seconds per query-key pair x channel of a causal call ([r, H, R, d],
-             is_causal: r R^2 H d) and of a masked one (keys [r, H, P + R, d]: r R (P + R) H d)
+             is_causal: r R^2 H d up to the kernel's key block, cost.attended_pairs) and of a
+             masked one (keys [r, H, P + R, d]: r R (P + R) H d)
     gather   index_select of [H, S, d] rows: seconds per element
 
 The fitted numbers go into ``HOST_COSTS`` by hand (with the host and date in benchmarks/NOTES.md),
@@ -30,9 +31,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, time_fn  # noqa: E402
 
-from grpo_fast.packing.cost import HOST_COSTS, HostCost  # noqa: E402
+from grpo_fast.packing.cost import HOST_COSTS, HostCost, attended_pairs  # noqa: E402
 
 _sdpa = torch.nn.functional.scaled_dot_product_attention
+BLOCK = HOST_COSTS["cpu"].block  # the CPU kernel's key split: not fitted
 
 
 def _fit(points: list) -> list:
@@ -76,7 +78,7 @@ def attention(repeats: int) -> list:
                     call = lambda: _sdpa(q, k, v, attn_mask=mask)  # noqa: E731
                 else:
                     call = lambda: _sdpa(q, k, v, is_causal=True)  # noqa: E731
-                pairs = rows * R * (P + R) * heads * d
+                pairs = rows * attended_pairs(R, P + R, masked, BLOCK) * heads * d
                 units = [1, rows * heads * d, 0 if masked else pairs, pairs if masked else 0]
                 points.append((units, _median(call, repeats)))
     return points
@@ -103,7 +105,7 @@ def main(argv=None) -> None:
     measured = {"dense": dense(args.repeats), "attention": attention(args.repeats), "gather": gather(args.repeats)}
     fits = {name: _fit(points) for name, points in measured.items()}
     (flop,), (call, row, causal, masked), (gather_s,) = fits["dense"], fits["attention"], fits["gather"]
-    fitted = HostCost(flop=flop, call=call, row=row, causal=causal, masked=masked, gather=gather_s)
+    fitted = HostCost(flop=flop, call=call, row=row, causal=causal, masked=masked, gather=gather_s, block=BLOCK)
     print(f"fitted {fitted}")
     print(f"in use {HOST_COSTS['cpu']}")
     for name, points in measured.items():

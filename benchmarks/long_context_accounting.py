@@ -23,7 +23,9 @@ Three measurements; each point runs in a fresh process (one thread, the mmap thr
               taken as they are), forward and backward, at each of ``--lengths``: the working
               set of the layer recomputed in the backward, and SDPA's float copy of the mask.
               ``--mask lower-right`` gives the same attention (one prompt length a grid) as
-              torch's ``causal_lower_right`` bias instead of a boolean tensor.
+              torch's ``causal_lower_right`` bias instead of a boolean tensor; ``--mask
+              replayed`` as ``packing.grids`` runs it where its cost model says so: causal rows
+              of [prompt | completion], P + L queries, no mask. Also the call's seconds.
 
     python benchmarks/long_context_accounting.py layers --layer-counts 2 8 --lengths 1024 2048
     python benchmarks/long_context_accounting.py trl-head --tokens 1024 2048 4096 8192
@@ -36,6 +38,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 SMOLLM2 = dict(
     hidden_size=576,
@@ -80,22 +83,30 @@ def attention_worker(spec: dict) -> dict:
     torch.manual_seed(0)
     L, P, G, d = spec["completion_length"], PROMPT, GROUP, 64
     heads, kv_heads = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"]
-    q = torch.randn(G, heads, L, d, requires_grad=True)
+    queries = P + L if spec["mask"] == "replayed" else L  # replayed: the prompt's queries too, causal
+    q = torch.randn(G, heads, queries, d, requires_grad=True)
     k, v = (torch.randn(G, kv_heads, P + L, d, requires_grad=True) for _ in range(2))
     if spec["mask"] == "lower-right":  # query i sees keys up to P + i: its prompt, then causal
         from torch.nn.attention.bias import causal_lower_right
 
         mask = causal_lower_right(L, P + L)
-    else:
+    elif spec["mask"] == "bool":
         mask = torch.ones(L, P + L, dtype=torch.bool).tril(P).expand(G, 1, L, P + L).contiguous()
-    grad = torch.randn(G, heads, L, d)
+    else:
+        mask = None
+    grad = torch.randn(G, heads, queries, d)
     risen = rss_rise_from_here()
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    start = time.perf_counter()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )
     forward_peak = risen()
     out.backward(grad)
+    seconds = time.perf_counter() - start
     return dict(
         forward_peak_bytes=forward_peak,
         peak_bytes=risen(),
+        seconds=seconds,
         mask_elements=G * L * (P + L),
         mask=spec["mask"],
         output_bytes=out.numel() * out.element_size(),
@@ -169,7 +180,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layer-counts", nargs="+", type=int, default=[2, 8], help="layers: decoder layers")
     parser.add_argument("--trainers", nargs="+", default=["grpo_fast"], help="layers: grpo_fast and/or trl")
     parser.add_argument("--checkpointing", default="on", help="layers: on or off")
-    parser.add_argument("--mask", choices=["bool", "lower-right"], default="bool", help="attention: the mask")
+    parser.add_argument(
+        "--mask", choices=["bool", "lower-right", "replayed"], default="bool", help="attention: the mask"
+    )
     parser.add_argument("--tokens", nargs="+", type=int, default=[1024, 2048, 4096, 8192], help="trl-head: N")
     parser.add_argument("--token-chunk", type=int, default=1024, help="trl-step: TRL's TOKEN_CHUNK_SIZE (4096 shipped)")
     parser.add_argument("--json", help="where to write the points")

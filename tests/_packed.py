@@ -16,10 +16,14 @@ from grpo_fast.trainer.model.build import reference_context
 C = 5  # the completions' columns of rollout()
 
 
-def a_call_per_length(monkeypatch) -> None:
+def a_call_per_length(monkeypatch, replayed: bool = False) -> None:
     """Packs on this host split their attention into a call per span length: a call and a grid
-    row cost nothing fixed, so only equal lengths share one (``packing.cost``)."""
-    monkeypatch.setitem(HOST_COSTS, "cpu", HOST_COSTS["cpu"]._replace(call=0.0, row=0.0))
+    row cost nothing fixed, so only equal lengths share one (``packing.cost``). ``replayed``:
+    a mask costs 100x a causal pair too, so the completions after a prompt attend as causal
+    rows of [prompt | completion] (``grids._replays_prefix``)."""
+    fitted = HOST_COSTS["cpu"]
+    masked = 100 * fitted.causal if replayed else fitted.masked
+    monkeypatch.setitem(HOST_COSTS, "cpu", fitted._replace(call=0.0, row=0.0, masked=masked))
 
 
 def float64_trainer(tmp_path, **overrides) -> GRPOTrainer:

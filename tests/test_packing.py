@@ -24,7 +24,7 @@ from grpo_fast.packing import (
     use_packed_attention,
 )
 from grpo_fast.packing.cost import HOST_COSTS, LayerShape, PackCost
-from grpo_fast.packing.layout import attention_grids
+from grpo_fast.packing.grids import attention_grids
 from grpo_fast.spec import LOSS_TYPES
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
 from grpo_fast.trainer.runtime import Runtime
@@ -147,7 +147,8 @@ def test_attention_grids_hold_each_token_once_and_merge_only_where_it_pays(monke
             assert cost.call_seconds(call.rows, call.queries, call.keys, prefix > 0) <= alone * (1 + 1e-12)
             assert call.keys == prefix + call.queries and (call.key_mask is None) == (prefix == 0)
             if prefix:  # keys: the prefix padded to its longest, then the span, and which of them a query sees
-                assert call.key_mask.shape == (call.rows, 1, call.queries, call.keys)
+                aligned = all(span[3] == prefix for span in members)  # one mask serves every row
+                assert call.key_mask.shape == (1 if aligned else call.rows, 1, call.queries, call.keys)
                 assert torch.equal(keys.view(call.rows, -1)[:, prefix:], reads.view(call.rows, -1))
             else:
                 assert torch.equal(keys, reads)
@@ -155,6 +156,31 @@ def test_attention_grids_hold_each_token_once_and_merge_only_where_it_pays(monke
             assert len(grids.calls) == 8
     monkeypatch.setitem(HOST_COSTS, "cpu", HOST_COSTS["cuda"])  # a GPU's: a call is worth far more work
     assert len(attention_grids(spans, S, "cpu").calls) == 2
+    # Where a mask costs more than the prefix's pairs, a call of spans after prefixes of its
+    # width runs causal rows of [prefix | span], the prefix's outputs dropped (the slots skip
+    # them); spans after prefixes of other widths keep their mask.
+    monkeypatch.setitem(HOST_COSTS, "cpu", fitted._replace(call=0.0, row=0.0, masked=100 * fitted.causal))
+    grids = attention_grids(spans, S, "cpu")
+    assert grids.query_reads[grids.slots].tolist() == list(range(S))
+    offsets = [0]
+    for call in grids.calls:
+        offsets.append(offsets[-1] + call.rows * call.queries)
+    replayed = 0
+    for start, length, prefix_start, prefix in spans:
+        if not (length and prefix):
+            continue
+        first = int(grids.slots[start])
+        index = max(i for i, offset in enumerate(offsets[:-1]) if offset <= first)
+        call = grids.calls[index]
+        row, column = divmod(first - offsets[index], call.queries)
+        if call.key_mask is None:  # the row reads its prefix, then the span; the span's slots follow the prefix
+            replayed += 1
+            reads = grids.query_reads[offsets[index] :][row * call.queries :][: prefix + length]
+            assert column == prefix and reads.tolist() == [
+                *range(prefix_start, prefix_start + prefix),
+                *range(start, start + length),
+            ]
+    assert replayed == 5  # after the prefix of 30: 3 and 40 tokens; after that of 2: 9, 1 and 8
     with pytest.raises(ValueError, match="spans must hold each of the 122 packed tokens once"):
         attention_grids(spans, S + 1, "cpu")
 

@@ -75,11 +75,13 @@ def _values(model, packed, weights):
     return logits.detach(), hidden.detach(), grads
 
 
-@pytest.mark.parametrize("per_length", [False, True], ids=["few-calls", "a-call-per-length-kv-heads-repeated"])
+@pytest.mark.parametrize(
+    "per_length", [False, True, "replayed"], ids=["few-calls", "a-call-per-length-kv-heads-repeated", "replayed"]
+)
 @pytest.mark.parametrize("group_size", [1, 2, 8])
 def test_shared_prefix_equals_every_row_whole(model, group_size, per_length, monkeypatch):
-    if per_length:  # an SDPA call per length (layout.attention_grids), kv heads repeated as on CUDA
-        a_call_per_length(monkeypatch)
+    if per_length:  # an SDPA call per length (grids.attention_grids), kv heads repeated as on CUDA
+        a_call_per_length(monkeypatch, replayed=per_length == "replayed")
         monkeypatch.setattr(packed_attention_module, "_kernels_take_gqa", lambda query: False)
     input_ids, attention = rollout(group_size, [4, 1, 7])
     N = input_ids.shape[0]
@@ -100,9 +102,13 @@ def test_shared_prefix_equals_every_row_whole(model, group_size, per_length, mon
             for a, b in zip(got, want):
                 assert rel_err(a, b) < 1e-10 and max_err(a, b) < 1e-10
             calls = max(calls, len(s.grids.calls))
+            if per_length == "replayed":  # no call after a prompt keeps a mask
+                assert all(call.key_mask is None for call in s.grids.calls)
     assert N == 3 * group_size and split == (group_size > 1)
     # one causal call (whole rows, or the prompts) and one after the prompts; or one per length
-    assert calls == ({1: 3, 2: 9, 8: 18}[group_size] if per_length else 1 + (group_size > 1))
+    # (replayed: the masks' cost moves the first-fit's merges of spans after prompts of two lengths)
+    per_length_calls = {1: 3, 2: 9, 8: 17 if per_length == "replayed" else 18}
+    assert calls == (per_length_calls[group_size] if per_length else 1 + (group_size > 1))
 
 
 def test_flex_attention_equals_sdpa(model):
@@ -228,7 +234,7 @@ def test_models_that_cannot_take_the_layout_pack_every_row_whole(caplog):
     assert whole.prefix is None  # no prompt shared: every row whole
 
 
-@pytest.mark.parametrize("per_length", [False, True], ids=["few-calls", "a-call-per-length"])
+@pytest.mark.parametrize("per_length", [False, True, "replayed"], ids=["few-calls", "a-call-per-length", "replayed"])
 def test_sliding_windows_in_the_packed_layouts(per_length, monkeypatch):
     """Gemma 3's layers (a sliding window of 4 positions on 3 of 4 layers, one of 1 query and
     2 kv heads, a scaled embedding) in float64: whole rows and shared prompts equal the padded
@@ -238,7 +244,7 @@ def test_sliding_windows_in_the_packed_layouts(per_length, monkeypatch):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     if per_length:
-        a_call_per_length(monkeypatch)
+        a_call_per_length(monkeypatch, replayed=per_length == "replayed")
     layers = ["sliding_attention"] * 3 + ["full_attention"]
     config = Gemma3TextConfig(
         vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
@@ -262,6 +268,7 @@ def test_sliding_windows_in_the_packed_layouts(per_length, monkeypatch):
     assert rel_err(grid[real], padded[real]) < 1e-10 and max_err(grid[real], padded[real]) < 1e-10
     for a, b in zip(_values(gemma, shared, weights), want):
         assert rel_err(a, b) < 1e-10 and max_err(a, b) < 1e-10
+    assert (per_length == "replayed") == all(call.key_mask is None for call in shared.grids.calls)
     gemma.config.sliding_window = 64  # the same weights without a window that bites
     for layer in gemma.model.layers:
         layer.self_attn.sliding_window = 64 if layer.self_attn.sliding_window else None

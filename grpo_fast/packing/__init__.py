@@ -25,13 +25,11 @@ from grpo_fast.packing.attention import (
     use_packed_attention,
 )
 from grpo_fast.packing.cost import HOST_COSTS, HostCost, LayerShape, PackCost
+from grpo_fast.packing.grids import Grid, Grids, attention_grids
 from grpo_fast.packing.layout import (
     ATTENTIONS,
-    Grid,
-    Grids,
     Packed,
     SharedPrefix,
-    attention_grids,
     micro_batches,
     pack,
     pack_by_prompt,

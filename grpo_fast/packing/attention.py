@@ -4,7 +4,7 @@ Attention must keep each sequence to itself: with ``flash_attention_2`` transfor
 ``cu_seq_lens_*`` and runs the varlen kernel; otherwise :func:`packed_sdpa` gathers the packed
 queries, keys and values onto grids and makes one SDPA call per grid (exact: a real query
 attends only to real keys of its own sequence). A grid holds sequences of like length
-(``layout.attention_grids``): one grid over a micro-batch costs n * longest^2 in attention,
+(``grids.attention_grids``): one grid over a micro-batch costs n * longest^2 in attention,
 which on rows of 20 to 300 tokens was 4x the work of the rows themselves; the block-diagonal
 S x S mask transformers builds from restarting ``position_ids`` costs S^2 (measured 2-3x slower
 than one grid on the demo's 128 short sequences), so a packed forward hands the model a ready,
@@ -13,7 +13,9 @@ empty mask and transformers builds none.
 A shared-prefix pack (:class:`~grpo_fast.packing.layout.SharedPrefix`) attends each prompt
 causally to itself and each completion to its prompt and causally to itself, never to another
 completion: the prompts on causal grids, the completions on grids of [its prompt | itself]
-keys with a mask, no S x S mask anywhere. A sliding-window layer masks, on the calls whose
+keys with a mask, or, where the cost model says so (``grids._replays_prefix``), on causal
+grids of [its prompt | itself] rows whose prompt outputs are dropped; no S x S mask anywhere.
+A sliding-window layer masks, on the calls whose
 spans reach past its window, the keys further back than the window (positions counted within
 each unit, as in the whole row). flash-attention's varlen kernel cannot take the shared layout,
 nor can :func:`packed_sdpa` take logit softcapping, so those models pack whole rows
@@ -36,7 +38,8 @@ import sys
 
 import torch
 
-from grpo_fast.packing.layout import Grids, Packed, attention_grids, whole_row_spans, window_mask
+from grpo_fast.packing.grids import Grids, attention_grids, whole_row_spans, window_mask
+from grpo_fast.packing.layout import Packed
 from grpo_fast.packing.sequence_parallel import Shard, ulysses_attention
 
 logger = logging.getLogger("grpo_fast")
@@ -166,10 +169,10 @@ def packed_sdpa(
     units (a transformers attention function; see the module docstring).
 
     query [1, heads, S, d], key and value [1, kv_heads, S, d]; ``packed_grids`` the pack's
-    :class:`~grpo_fast.packing.layout.Grids` (``Packed.grids``); without them, whole
+    :class:`~grpo_fast.packing.grids.Grids` (``Packed.grids``); without them, whole
     sequences with the boundaries ``cu_seq_lens_q`` [n + 1], whose grids are then built in every
     layer (a read of the boundaries to the host each). A sliding layer's ``sliding_window``
-    (Gemma 2/3, Mistral) masks each call's keys past the window (``layout.window_mask``, only
+    (Gemma 2/3, Mistral) masks each call's keys past the window (``grids.window_mask``, only
     on calls whose spans reach past it). Returns ([1, S, heads, d], None).
     """
     if kwargs.get("softcap") is not None:

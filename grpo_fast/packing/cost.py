@@ -13,8 +13,13 @@ Two decisions read it (``layout.py``):
 One layer's forward, in seconds::
 
     tokens x dense FLOPs a token x flop
-    + sum over calls (call + rows x width x row + rows x queries x keys x width x (causal or masked)
+    + sum over calls (call + rows x width x row + rows x pairs x width x (causal or masked)
                       + elements gathered into and out of the grid x gather)
+
+where a masked call's pairs are queries x keys, and a causal call's the pairs its kernel
+computes: it skips the key blocks past each query block's diagonal, about queries x (keys +
+block) / 2 of them, fewer than queries x keys once a row is longer than the kernel's key block
+(:func:`attended_pairs`).
 
 The backward costs about twice each term, so the forward's ratio is the pass's. The LM head,
 the embeddings and the loss are the same in every layout and left out. The seconds per unit
@@ -32,7 +37,8 @@ class HostCost(NamedTuple):
     """Seconds per unit of a packed forward's work on one device type (fitted, see the module
     docstring): ``flop`` per dense FLOP; ``call`` an SDPA call's fixed cost, ``row`` a grid
     row's per head channel, ``causal`` and ``masked`` per query-key pair and head channel of a
-    call, causal or with a mask; ``gather`` per element copied into or out of the grids."""
+    call, causal or with a mask; ``gather`` per element copied into or out of the grids;
+    ``block`` the keys the attention kernel takes at a time (not fitted: the kernel's)."""
 
     flop: float
     call: float
@@ -40,15 +46,25 @@ class HostCost(NamedTuple):
     causal: float
     masked: float
     gather: float
+    block: int
 
 
-# cpu: fitted on the 2-core development host, one thread (benchmarks/NOTES.md, issue 52).
-# cuda: an H100's dense peak at half utilisation and about 10 us a small call (launches and a
-# grid too small to fill the device), not yet fitted: no GPU has been lent.
+# cpu: fitted on the 2-core development host, one thread (benchmarks/NOTES.md, issue 52); its
+# block is ATen's CPU flash kernel's key split (512), so the fit's calls of at most 512 keys
+# count every pair. cuda: an H100's dense peak at half utilisation and about 10 us a small call
+# (launches and a grid too small to fill the device), flash-attention's blocks of 128 keys; not
+# yet fitted: no GPU has been lent.
 HOST_COSTS = {
-    "cpu": HostCost(flop=1.41e-11, call=6.3e-6, row=1.9e-8, causal=7.2e-11, masked=7.5e-11, gather=1.5e-10),
-    "cuda": HostCost(flop=2.0e-15, call=1.0e-5, row=0.0, causal=2.0e-15, masked=3.0e-15, gather=1.0e-12),
+    "cpu": HostCost(flop=1.41e-11, call=6.3e-6, row=1.9e-8, causal=7.2e-11, masked=7.5e-11, gather=1.5e-10, block=512),
+    "cuda": HostCost(flop=2.0e-15, call=1.0e-5, row=0.0, causal=2.0e-15, masked=3.0e-15, gather=1.0e-12, block=128),
 }
+
+
+def attended_pairs(queries: int, keys: int, masked: bool, block: int) -> float:
+    """The query-key pairs an SDPA call computes for one row and head channel: all of them under
+    a mask; causally (``keys == queries``) the ones up to each query block's diagonal, rounded
+    up to the kernel's key ``block``: about queries x (keys + block) / 2, at most all."""
+    return queries * (keys if masked else min(keys, (keys + block) / 2))
 
 
 class LayerShape(NamedTuple):
@@ -95,7 +111,7 @@ class PackCost(NamedTuple):
         """One SDPA call on a grid of ``rows`` x ``queries`` queries against ``keys`` keys, with
         its gathers in and out."""
         host, width = self.host, self.shape.width
-        pairs = rows * queries * keys * width
+        pairs = rows * attended_pairs(queries, keys, masked, host.block) * width
         gathered = rows * (2 * queries * width + 2 * keys * self.shape.kv_width)
         return (
             host.call
