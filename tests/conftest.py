@@ -31,8 +31,8 @@ torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else min(2, os.cp
 
 # The modules whose tests take longest (a worker's seconds under -n 2 --dist loadfile,
 # --durations=0, 2026-12-07), longest first: collected first, since loadfile hands a module to
-# a worker in collection order (with --no-loadscope-reorder, pyproject's addopts: xdist would
-# otherwise order modules by their number of tests), so that neither worker ends the run alone
+# a worker in collection order (with xdist's loadscope reordering off, pytest_configure below:
+# it would order modules by their number of tests), so that neither worker ends the run alone
 # on one of them.
 LONGEST_MODULES = (
     "test_real_models.py",  # 170 s
@@ -52,6 +52,13 @@ LONGEST_MODULES = (
     "test_memory_bench.py",  # 49 s
     "test_sequence_parallel.py",  # 42 s
 )
+
+
+def pytest_configure(config):
+    # xdist's --no-loadscope-reorder, set here rather than in pyproject's addopts: a pytest
+    # without xdist (the GPU image's, run_all.sh's benchmark stage) would refuse the flag
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):
