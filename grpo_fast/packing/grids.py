@@ -60,7 +60,7 @@ def _calls(spans: list, cost: PackCost) -> list:
     ``replayed`` (:func:`_replays_prefix`): a prefixed call attended as causal rows."""
 
     def seconds(rows, prefix, length):
-        return cost.call_seconds(rows, length, prefix + length, prefix > 0)
+        return cost.call_seconds(*_call_shape(rows, prefix, length, False))
 
     calls = []
     for i in sorted(range(len(spans)), key=lambda i: spans[i][1] * (spans[i][1] + spans[i][3]), reverse=True):
@@ -91,15 +91,19 @@ def _replays_prefix(spans: list, P: int, R: int, members: list, cost: PackCost) 
     if not P or any(spans[i][3] != P for i in members):
         return False
     rows = len(members)
-    return cost.call_seconds(rows, P + R, P + R, False) <= cost.call_seconds(rows, R, P + R, True)
+    return cost.call_seconds(*_call_shape(rows, P, R, True)) <= cost.call_seconds(*_call_shape(rows, P, R, False))
 
 
-def _call_shapes(calls: list) -> list:
-    """:meth:`PackCost.seconds`'s ``(rows, queries, keys, masked)`` of :func:`_calls`' calls."""
-    return [
-        (len(members), P + R, P + R, False) if replayed else (len(members), R, P + R, P > 0)
-        for P, R, members, replayed in calls
-    ]
+def _call_shape(rows: int, P: int, R: int, replayed: bool) -> tuple:
+    """:meth:`PackCost.call_seconds`'s ``(rows, queries, keys, masked)`` of a call of ``rows``
+    spans of width ``R`` after prefixes of width ``P`` (0: none), replayed or not."""
+    return (rows, P + R, P + R, False) if replayed else (rows, R, P + R, P > 0)
+
+
+def layer_seconds(tokens: int, spans: list, cost: PackCost) -> float:
+    """One layer's forward over a pack of ``tokens`` attended as ``spans`` (see
+    :func:`attention_grids`), predicted by ``cost`` for the calls :func:`attention_grids` makes."""
+    return cost.seconds(tokens, [_call_shape(len(m), P, R, replayed) for P, R, m, replayed in _calls(spans, cost)])
 
 
 def attention_grids(spans: list, total: int, device, cost: PackCost | None = None) -> Grids:
@@ -125,12 +129,11 @@ def attention_grids(spans: list, total: int, device, cost: PackCost | None = Non
         if replayed:  # causal rows of [prefix | span]: the prefix's outputs are dropped
             queries, skipped = keys, P
         elif P:
-            seen_prefix = (arange(P) < prefixes[:, None])[:, None, :].expand(-1, R, -1)  # [r, R, P]
-            causal = torch.ones(R, R, dtype=torch.bool).tril().expand(len(members), -1, -1)
-            mask = torch.cat([seen_prefix, causal], 2)[:, None]  # [r, 1, R, P + R]
-            if bool((prefixes == P).all()):  # every row's mask is the same: one, broadcast
-                mask = mask[:1]
-            mask = mask.to(device)
+            # one mask broadcast over the rows where every row's is the same (each prefix P long)
+            masks = 1 if bool((prefixes == P).all()) else len(members)
+            seen_prefix = (arange(P) < prefixes[:masks, None])[:, None, :].expand(-1, R, -1)  # [m, R, P]
+            causal = torch.ones(R, R, dtype=torch.bool).tril().expand(masks, -1, -1)
+            mask = torch.cat([seen_prefix, causal], 2)[:, None].to(device)  # [m, 1, R, P + R]
         width = queries.shape[1]
         grids.append(Grid(len(members), width, keys.shape[1], mask, prefixes.to(device) if mask is not None else None))
         query_reads.append(queries.reshape(-1))

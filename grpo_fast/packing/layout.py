@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 
 from grpo_fast.packing.cost import PackCost
-from grpo_fast.packing.grids import Grids, _call_shapes, _calls, attention_grids, whole_row_spans
+from grpo_fast.packing.grids import Grids, attention_grids, layer_seconds, whole_row_spans
 
 logger = logging.getLogger("grpo_fast")
 
@@ -276,7 +276,7 @@ def _shares(cost: PackCost, lengths: list, units: list, prompts: list, completio
     whole = [total for total, _ in lengths]
     shared = (sum(prompts) + sum(completion_lengths), _shared_spans(units, prompts, completion_lengths))
     layouts = (shared, (sum(whole), whole_row_spans(whole)))
-    seconds = [cost.seconds(tokens, _call_shapes(_calls(spans, cost))) for tokens, spans in layouts]
+    seconds = [layer_seconds(tokens, spans, cost) for tokens, spans in layouts]
     if seconds[0] < seconds[1]:
         return True
     _say_whole_rows()

@@ -102,15 +102,14 @@ class WeightSlots:
         """Copies version ``wanted`` into ``params`` ``{name: tensor}``, or the newest once no
         slot holds it any more (or yet), unless that version is ``loaded``; returns the version
         ``params`` hold now."""
-        for slot, only_wanted in ((wanted % 2, True), (self.newest.value % 2, False)):
-            with self.locks[slot]:
-                version = self.versions[slot]
-                if only_wanted and version != wanted:
-                    continue
-                if version != loaded:
-                    for name, tensor in self.slots[slot].items():
-                        params[name].copy_(tensor)
-                return version
+        # A slot overwritten between this look and its lock holds the newest: what is read then
+        slot = wanted % 2 if self.versions[wanted % 2] == wanted else self.newest.value % 2
+        with self.locks[slot]:
+            version = self.versions[slot]
+            if version != loaded:
+                for name, tensor in self.slots[slot].items():
+                    params[name].copy_(tensor)
+        return version
 
 
 @dataclasses.dataclass
