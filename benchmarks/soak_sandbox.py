@@ -23,8 +23,10 @@ Reported: programs per second per 500 programs; verdicts per route, family and k
 100 programs, the worker's open fds, threads, descendant processes, RSS, mounts, entries of its
 temp dir (a private TMPDIR) and the cgroup folders the sandbox made. Guarantees, each pass or
 fail (any fail: exit status 1): no forged pass (a hostile or wrong program scored as passing),
-no honest program failed, nothing reached the host, the last 1,000 programs' throughput within
-20% of the first 1,000's (for a smaller N, the first and last fifth in whole blocks), no growth
+no honest program failed, nothing reached the host, the last 1,000 programs' throughput at
+least 80% of the first 1,000's (for a smaller N, the first and last fifth in whole blocks: a
+leak slows the end down; a faster end is the first block's cold caches or a quieter host, and
+passes), no growth
 of fds, threads, children, mounts, temp entries or cgroups from the sample after the first
 block to the end, and RSS growth under 50 MB.
 
@@ -375,7 +377,7 @@ def check(cases: list, report: dict, battery, n: int, tolerance: float) -> dict:
             "code_reward_error": report["error"],
         },
         "throughput_steady": {
-            "pass": abs(last / first - 1) <= tolerance,
+            "pass": last / first >= 1 - tolerance,
             "window_programs": window * BLOCK,
             "first_per_s": round(first, 2),
             "last_per_s": round(last, 2),
