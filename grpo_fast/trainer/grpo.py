@@ -29,7 +29,6 @@ import time
 from typing import NamedTuple
 
 import torch
-from transformers import set_seed
 
 from grpo_fast.environments import load_environment
 from grpo_fast.tasks import load_rows, resolve_rewards
@@ -50,7 +49,7 @@ from grpo_fast.trainer.rollout.sources import InProcessRollouts
 from grpo_fast.trainer.rollout.turns import turn_loop
 from grpo_fast.trainer.rollout.worker import AsyncRollouts
 from grpo_fast.trainer.run import checkpoint, evaluation, hub, loop, run_log
-from grpo_fast.trainer.runtime import Runtime
+from grpo_fast.trainer.runtime import Runtime, set_seed
 from grpo_fast.trainer.update.batch import StepBatch, batch_fields
 from grpo_fast.trainer.update.metrics import PhaseClock, log_line
 from grpo_fast.trainer.update.optimization import adamw, clipped_step, lr_scheduler

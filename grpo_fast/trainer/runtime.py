@@ -25,7 +25,9 @@ back to fp32 there with a logged line. The decision is logged once per process
 import contextlib
 import dataclasses
 import logging
+import random
 
+import numpy
 import torch
 
 from grpo_fast.trainer import distributed
@@ -34,6 +36,15 @@ from grpo_fast.trainer.distributed import Ranks
 from grpo_fast.trainer.sections import DeviceConfig
 
 logger = logging.getLogger("grpo_fast")
+
+
+def set_seed(seed: int) -> None:
+    """Seeds Python's, numpy's and torch's generators (every CUDA device's with torch's):
+    ``transformers.set_seed``'s effect, without importing ``transformers.trainer_utils``, which
+    imports peft (about 3 s of every process's start)."""
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def decide_precision(precision: str, device: torch.device) -> bool:

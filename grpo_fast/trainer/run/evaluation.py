@@ -25,7 +25,7 @@ import torch
 from grpo_fast import group_advantages
 from grpo_fast.trainer.rollout.engines import EngineSettings, make_generator
 from grpo_fast.trainer.rollout.samples import RewardError, rollout, score
-from grpo_fast.trainer.runtime import Runtime
+from grpo_fast.trainer.runtime import Runtime, set_seed
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -176,8 +176,6 @@ def evaluate_model(config) -> dict:
     """``grpo-fast eval``: the eval metrics of the model folder ``config.model`` on
     ``config``'s eval rows, with its reward functions and eval_* options (under torchrun every
     rank its share of the prompts; every rank returns the numbers)."""
-    import transformers
-
     from grpo_fast.environments import load_environment
     from grpo_fast.tasks import resolve_rewards
     from grpo_fast.tools import resolve_tools
@@ -187,7 +185,7 @@ def evaluate_model(config) -> dict:
 
     tools, environment = resolve_tools(config.tools), load_environment(config.environment)
     check_model_source(config)
-    transformers.set_seed(config.seed)
+    set_seed(config.seed)
     runtime = Runtime.start(config.devices, config.precision)
     runtime.log(config.precision, "eval")
     model, tokenizer = load_model_and_tokenizer(config, runtime.flash_attention())

@@ -2,17 +2,30 @@
 those of the parts a strategy trains beside it alike. A step whose loss or gradient norm is not
 finite is skipped."""
 
+import functools
 import math
 import warnings
 
 import torch
-from transformers import get_scheduler
 
 from grpo_fast.trainer.sections import OptimConfig, RolloutConfig
 
-# transformers' schedule behind each of the config's lr_schedule names (get_scheduler is imported
-# with this module, not lazily inside a measured window such as bench/memory.py's)
-SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+def schedule_factor(name: str, step: int, warmup: int, total: int) -> float:
+    """The learning rate's factor at scheduler step ``step`` of ``total``: linear warmup from 0
+    over ``warmup`` steps, then 1 (``constant``), or a linear or half-cosine decay to 0 at
+    ``total`` (``linear``, ``cosine``). The same floats as transformers' ``get_scheduler`` with
+    ``constant_with_warmup``, ``linear`` and ``cosine`` (tests/test_trainer.py), written here
+    because importing it imports ``transformers.trainer_utils`` and with it peft: about 3 s of
+    every trainer process's start."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if name == "constant":
+        return 1.0
+    if name == "linear":
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def adamw(params, optim: OptimConfig, lr: float | None = None) -> torch.optim.AdamW:
@@ -33,7 +46,7 @@ def lr_scheduler(optimizer, optim: OptimConfig, rollout: RolloutConfig):
     """The run's learning-rate schedule (its ``optim`` section), one step per optimizer step
     (``rollout.num_iterations`` per training step, ``rollout.steps`` of those): linear warmup
     over warmup_steps training steps, then constant, or linear or cosine decay towards 0 at the
-    run's last step (transformers' ``get_scheduler``).
+    run's last step (:func:`schedule_factor`).
 
     transformers' warmup runs its first step at learning rate 0; ours runs optimizer step s at
     ``(s + 1) / (warmup + 1)`` of it, so the schedule is built one step longer and advanced
@@ -41,12 +54,10 @@ def lr_scheduler(optimizer, optim: OptimConfig, rollout: RolloutConfig):
     state at the optimizer-step count (:func:`schedule_state`).
     """
     mu = rollout.num_iterations
-    scheduler = get_scheduler(
-        SCHEDULES[optim.lr_schedule],
-        optimizer,
-        num_warmup_steps=optim.warmup_steps * mu + 1,
-        num_training_steps=rollout.steps * mu + 1,
+    factor = functools.partial(
+        schedule_factor, optim.lr_schedule, warmup=optim.warmup_steps * mu + 1, total=rollout.steps * mu + 1
     )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     with warnings.catch_warnings():  # the advance above, not a step taken before the optimizer's
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         scheduler.step()
