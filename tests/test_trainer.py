@@ -166,12 +166,14 @@ def test_fused_linear_loss_gives_the_logits_path_gradient(tmp_path):
 
 def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
     """Recomputing activations in the backward (the packed attention holds through it) changes
-    no gradient, with the full model and with LoRA."""
+    no gradient, with the full model and with LoRA; keeping one layer input in two
+    (checkpoint_every = 2: the demo model's two layers one run) gives every layer input's
+    gradient bit for bit."""
     for lora_r in (0, 4):
         grads = []
-        for checkpointing in (False, True):
+        for checkpointing, every in ((False, 1), (True, 1), (True, 2)):
             config = small_config(tmp_path, beta=0.1, max_tokens_per_micro_batch=24, lora_r=lora_r, num_iterations=2)
-            config.gradient_checkpointing = checkpointing
+            config.gradient_checkpointing, config.checkpoint_every = checkpointing, every
             tokenizer = build_tokenizer()
             trainer = GRPOTrainer(config, model=build_model(tokenizer, seed=2), tokenizer=tokenizer)
             if not grads:
@@ -180,6 +182,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
             trainer.accumulate_gradients(batch, proximal)
             grads.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters() if p.requires_grad]))
         assert grads[0].norm() > 0 and rel_err(grads[1], grads[0]) < 1e-6 and max_err(grads[1], grads[0]) < 1e-6, lora_r
+        assert torch.equal(grads[2], grads[1]), lora_r
 
 
 def test_reference_is_none_copy_or_lora_without_adapters(tmp_path):

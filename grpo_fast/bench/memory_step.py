@@ -137,6 +137,7 @@ def worker(spec: dict) -> dict:
         device=str(device),
         parallel=spec.get("parallel", "ddp"),
         gradient_checkpointing=spec.get("gradient_checkpointing", False),
+        checkpoint_every=spec.get("checkpoint_every", 1),
         progress=False,
     )
     strategy = PPO() if name == "ppo" else None  # GRPO's own by default

@@ -335,6 +335,11 @@ class SpeedConfig(Section):
     attention_kernel: str = option("sdpa", "packed attention: sdpa, or flex (FlexAttention; CUDA)")
     precision: str = option("auto", "auto = bf16 autocast on CUDA, fp32 on CPU; or bf16, fp32")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    checkpoint_every: int = option(
+        1,
+        "with gradient_checkpointing: keep one decoder layer's input in N and recompute the others in backward"
+        " (about 1/N + (N-1)/layers of their memory, for (N-1)/N of a layer's forward more per layer)",
+    )
     fused_linear: bool = option(False, "compute the loss from hidden states and the LM head (fused_linear_grpo_loss)")
     log_entropy: bool = option(
         True, "log the policy's mean token entropy (False: on CPU each chunk takes two vocabulary passes, not five)"
@@ -345,6 +350,11 @@ class SpeedConfig(Section):
 
     def validate(self) -> None:
         require(self.lora_r >= 0, f"lora_r must be >= 0, got {self.lora_r!r}")
+        int_at_least(self, "checkpoint_every", 1)
+        require(
+            self.checkpoint_every == 1 or self.gradient_checkpointing,
+            f"checkpoint_every={self.checkpoint_every} needs gradient_checkpointing=True",
+        )
         self.choice("attention_kernel", ATTENTION_KERNELS)
         self.choice("precision", PRECISIONS)
 

@@ -11,6 +11,7 @@ import torch
 from grpo_fast.packing import Packed
 from grpo_fast.spec import LossConfig
 from grpo_fast.trainer import distributed
+from grpo_fast.trainer.model.checkpoint_runs import checkpoint_runs
 from grpo_fast.trainer.model.packed_policy import PackedPolicy, filler
 
 
@@ -54,7 +55,8 @@ def load_model_and_tokenizer(config, flash_attention: bool = False, before_model
 
 def prepare_policy(model, config, device: torch.device):
     """``model`` as the run trains it, in place: a peft LoRA of it (lora_r > 0), gradient
-    checkpointing (with ``use_cache = False``), on ``device``, in train mode."""
+    checkpointing (one decoder layer's input in ``checkpoint_every`` kept, ``use_cache = False``),
+    on ``device``, in train mode."""
     if config.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 
@@ -71,6 +73,7 @@ def prepare_policy(model, config, device: torch.device):
         # activation_checkpointing_enable is gradient_checkpointing_enable's name from transformers 5.2x
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
+        checkpoint_runs(model, config.checkpoint_every)
         model.config.use_cache = False
     return model.to(device).train()
 
