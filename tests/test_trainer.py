@@ -28,7 +28,13 @@ from grpo_fast.trainer.rollout.engines.hf import HFGenerator
 from grpo_fast.trainer.rollout.samples import score
 from grpo_fast.trainer.run import checkpoint as ckpt
 from grpo_fast.trainer.run.run_log import METRIC_KEYS, TIMING_KEYS, read_metrics
-from grpo_fast.trainer.update.optimization import load_schedule_state, lr_scheduler, schedule_factor, schedule_state
+from grpo_fast.trainer.update.optimization import (
+    SCHEDULES,
+    load_schedule_state,
+    lr_scheduler,
+    schedule_factor,
+    schedule_state,
+)
 
 # ---------------------------------------------------------------- rollout
 
@@ -283,9 +289,10 @@ def test_learning_rate_schedules(lr_schedule):
     # the same floats as transformers' get_scheduler (which the trainer no longer imports)
     from transformers import get_scheduler
 
-    name = {"constant": "constant_with_warmup"}.get(lr_schedule, lr_schedule)
     for warmup, total in ((0, 7), (1, 11), (5, 101), (3, 3)):
-        theirs = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total).lr_lambdas[0]
+        theirs = get_scheduler(
+            SCHEDULES[lr_schedule], optimizer, num_warmup_steps=warmup, num_training_steps=total
+        ).lr_lambdas[0]
         assert [schedule_factor(lr_schedule, s, warmup, total) for s in range(total + 2)] == [
             theirs(s) for s in range(total + 2)
         ]

@@ -104,7 +104,8 @@ def _free(hidden: torch.Tensor):
     """Frees ``hidden``'s storage and returns it, or returns None (kept) where the storage is
     shared with another tensor."""
     storage = hidden.untyped_storage()
-    if hidden._base is not None or hidden.storage_offset() or storage.nbytes() != hidden.numel() * hidden.element_size():
+    whole = hidden.storage_offset() == 0 and storage.nbytes() == hidden.numel() * hidden.element_size()
+    if hidden._base is not None or not whole:
         return None
     storage.resize_(0)
     return hidden

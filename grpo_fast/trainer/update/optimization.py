@@ -10,6 +10,9 @@ import torch
 
 from grpo_fast.trainer.sections import OptimConfig, RolloutConfig
 
+# transformers' (and so TRL's lr_scheduler_type) name of each lr_schedule: the same factors
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
 
 def schedule_factor(name: str, step: int, warmup: int, total: int) -> float:
     """The learning rate's factor at scheduler step ``step`` of ``total``: linear warmup from 0
