@@ -2,7 +2,6 @@
 a policy built from the spec, the trainer's steps on a fixed synthetic batch, their peak
 memory and time, and the exact sizes of the states the peak holds."""
 
-import importlib
 import json
 import os
 import sys
@@ -112,13 +111,13 @@ def worker(spec: dict) -> dict:
         os.environ["GRPO_FAST_CPU_COMPILE"] = SWEEP_ROUTES[name]
     import torch
 
+    # transformers' modeling code (about 200 MB resident on CPU) loads before the baseline, as
+    # TRL's workers load it with trl: the peak is the step's, not the libraries'
+    import transformers.modeling_utils  # noqa: F401
+
     from grpo_fast.bench.measure import current_rss_bytes, peak_rss_bytes, reset_peak_rss, time_fn
     from grpo_fast.bench.ppo import PPO
     from grpo_fast.trainer import GRPOConfig, GRPOTrainer, distributed
-
-    # transformers' modeling code (about 200 MB resident on CPU) loads before the baseline, as
-    # TRL's workers load it with trl: the peak is the step's, not the libraries'
-    importlib.import_module("transformers.modeling_utils")
 
     processes = spec["jobs"] * spec.get("nproc", 1)
     if processes > 1:  # processes side by side share the cores instead of oversubscribing them

@@ -38,16 +38,16 @@ class _Run:
         """Recomputes the run's inputs from its first one and writes the freed ones back."""
         if self.first is None:  # refilled already, by an earlier layer's hook
             return
-        hidden, first, freed = self.first, self.first, self.freed
-        self.first = self.freed = None  # hold nothing past this backward
+        hidden, calls, freed = self.first, self.calls, self.freed
+        self.first = self.calls = self.freed = None  # hold nothing past this backward
+        device = hidden.device
         with torch.no_grad():
-            for (function, autocast, rng), target in zip(self.calls, freed):
-                with _replayed(first.device, autocast, rng):
+            for (function, autocast, rng), target in zip(calls, freed):
+                with _replayed(device, autocast, rng):
                     hidden = _hidden(function(hidden))
                 if target is not None:
                     target.untyped_storage().resize_(hidden.untyped_storage().nbytes())
                     target.untyped_storage().copy_(hidden.untyped_storage())
-        self.calls = []
 
 
 class CheckpointRuns:
