@@ -1,7 +1,8 @@
 """Memory and time of a training step against completion length (issue 50): grpo_fast against
 TRL 1.16, gradient checkpointing on and off.
 
-A point is one (trainer, model, completion length L, checkpointing) in its own fresh process:
+A point is one (trainer, model, completion length L, checkpointing; for grpo_fast also
+``--mlp-tile-tokens``, its MLPs in tiles) in its own fresh process:
 the training step after sampling on a fixed synthetic batch of one group (a prompt of
 ``--prompt-length`` tokens, G = ``--group-size`` completions of exactly L tokens, rewards 0, 1,
 0, 1), beta 0 (TRL's default: no reference pass), loss ``grpo``, AdamW, one torch thread.
@@ -41,6 +42,8 @@ every curve included, it only merges them: the comparisons and the plot of them 
     python benchmarks/bench_long_context.py --models smollm2 qwen2.5-0.5b --checkpointing on
     python benchmarks/bench_long_context.py --models smollm2 --trainers grpo_fast --checkpointing off \\
         --json benchmarks/results/long_context_cpu_off.json
+    python benchmarks/bench_long_context.py --models smollm2 --trainers grpo_fast --checkpointing every3 \\
+        --mlp-tile-tokens 0 1024 --lengths 1024 2048
     python benchmarks/bench_long_context.py --include benchmarks/results/long_context_cpu_off.json ...
     python benchmarks/bench_long_context.py --quick    # the tiny preset, two short lengths, a temp folder
 """
@@ -78,7 +81,15 @@ def checkpointing_name(value) -> str:
     return next(name for name, v in CHECKPOINTING.items() if v == value and type(v) is type(value))
 
 
-def point_spec(model: str, length: int, checkpointing: bool, prompt_length: int, group_size: int) -> dict:
+def setting_name(curve: dict) -> str:
+    """A curve's checkpointing name, with its MLP tiles where it has them."""
+    tiles = curve.get("mlp_tile_tokens", 0)
+    return checkpointing_name(curve["checkpointing"]) + (f", MLP tiles of {tiles}" if tiles else "")
+
+
+def point_spec(
+    model: str, length: int, checkpointing: bool, prompt_length: int, group_size: int, mlp_tile_tokens: int = 0
+) -> dict:
     """The worker's spec of one point (``memory_step.worker``'s keys; TRL's worker reads the same)."""
     from grpo_fast.bench.memory import preset_settings
 
@@ -101,6 +112,7 @@ def point_spec(model: str, length: int, checkpointing: bool, prompt_length: int,
         exact_lengths=True,
         gradient_checkpointing=bool(checkpointing),
         checkpoint_every=1 if isinstance(checkpointing, bool) else checkpointing,
+        mlp_tile_tokens=mlp_tile_tokens,
         optimizer_state_first=True,
     )
 
@@ -233,7 +245,7 @@ def _extrapolated(points: list, length: int) -> tuple:
 def run_curve(curve: dict, options: dict, echo=print, saved=lambda: None) -> None:
     """Fills ``curve`` (its trainer, model and checkpointing given) with its points, ascending in
     length, stopped at the caps (module docstring), then its summary; ``saved()`` after each point."""
-    trainer, model, checkpointing = curve["trainer"], curve["model"], curve["checkpointing"]
+    trainer, model, checkpointing, name = curve["trainer"], curve["model"], curve["checkpointing"], setting_name(curve)
     cap_bytes, cap_s = options["memory_cap_gib"] * 2**30, options["time_cap_s"]
     G, P = options["group_size"], options["prompt_length"]
     curve["points"] = []
@@ -245,9 +257,9 @@ def run_curve(curve: dict, options: dict, echo=print, saved=lambda: None) -> Non
         if peak is not None and (peak > cap_bytes or seconds > cap_s):
             point["skipped"] = f"extrapolated {peak / 2**30:.1f} GiB, {seconds:.0f} s: over a cap"
             curve["points"].append(point)
-            echo(f"{trainer} {model} checkpointing={checkpointing} L={length}: {point['skipped']}")
+            echo(f"{trainer} {model} {name} L={length}: {point['skipped']}")
             break
-        spec = point_spec(model, length, checkpointing, P, G)
+        spec = point_spec(model, length, checkpointing, P, G, curve.get("mlp_tile_tokens", 0))
         point.update(run_point(trainer, spec, options["kill_after_s"]))
         curve["points"].append(point)
         over = "error" not in point and (point["peak_bytes"] > cap_bytes or point["step_s"] > cap_s)
@@ -255,7 +267,7 @@ def run_curve(curve: dict, options: dict, echo=print, saved=lambda: None) -> Non
             point["over_cap"] = True
         saved()
         shown = point.get("error") or f"peak {point['peak_bytes'] / 2**30:.2f} GiB, step {point['step_s']:.1f} s"
-        echo(f"{trainer} {model} checkpointing={checkpointing} L={length}: {shown}")
+        echo(f"{trainer} {model} {name} L={length}: {shown}")
         if "error" in point or over:
             break
     curve.update(summarize(curve["points"], cap_bytes, G))
@@ -311,6 +323,7 @@ def compare(curves: list, cap_bytes: float, group_size: int) -> list:
         row = dict(
             model=ours["model"],
             checkpointing=ours["checkpointing"],
+            mlp_tile_tokens=ours.get("mlp_tile_tokens", 0),
             lengths=common,
             peak_ratios=[mine[n]["peak_bytes"] / other[n]["peak_bytes"] for n in common],
             time_ratios=[mine[n]["step_s"] / other[n]["step_s"] for n in common],
@@ -352,7 +365,7 @@ def table_rows(results: dict) -> list:
             row = dict(
                 trainer=curve["trainer"],
                 model=curve["model"],
-                checkpointing=checkpointing_name(curve["checkpointing"]),
+                checkpointing=setting_name(curve),
                 L=p["length"],
             )
             if "peak_bytes" not in p:
@@ -385,7 +398,7 @@ def plot(results: dict, path: str) -> None:
         ran = [p for p in curve["points"] if "peak_bytes" in p]
         if not ran:
             continue
-        label = f"{curve['trainer']}, {curve['model']}, checkpointing {checkpointing_name(curve['checkpointing'])}"
+        label = f"{curve['trainer']}, {curve['model']}, checkpointing {setting_name(curve)}"
         style = "o-" if curve["trainer"] == "grpo_fast" else "s--"
         lengths = [p["length"] for p in ran]
         memory_ax.plot(lengths, [p["peak_bytes"] / 2**30 for p in ran], style, label=label)
@@ -419,6 +432,10 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--checkpointing must be of {list(CHECKPOINTING)}, got {args.checkpointing}")
     if "trl" in args.trainers and [c for c in args.checkpointing if c.startswith("every")]:
         raise ValueError(f"--checkpointing everyK is grpo_fast's (--trainers grpo_fast), got {args.checkpointing}")
+    if not args.mlp_tile_tokens or any(t < 0 for t in args.mlp_tile_tokens):
+        raise ValueError(f"--mlp-tile-tokens must be ints >= 0, got {args.mlp_tile_tokens}")
+    if "trl" in args.trainers and any(args.mlp_tile_tokens):
+        raise ValueError(f"--mlp-tile-tokens > 0 is grpo_fast's (--trainers grpo_fast), got {args.mlp_tile_tokens}")
     if not args.lengths or any(n < 1 for n in args.lengths) or args.lengths != sorted(set(args.lengths)):
         raise ValueError(f"--lengths must be ascending ints >= 1 without repeats, got {args.lengths}")
     for name in ("prompt_length", "group_size"):
@@ -442,6 +459,9 @@ def main(argv=None) -> int:
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS))
     parser.add_argument(
         "--checkpointing", nargs="+", default=["on"], help="on, off, every2/3/4 (on, one layer input in K kept)"
+    )
+    parser.add_argument(
+        "--mlp-tile-tokens", nargs="+", type=int, default=[0], help="grpo_fast's MLP tiles (0: whole); a curve each"
     )
     parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS), help="completion tokens, ascending")
     parser.add_argument("--prompt-length", type=int, default=256)
@@ -489,13 +509,26 @@ def main(argv=None) -> int:
         memory_cap_gib=args.memory_cap_gib,
         kill_after_s=3 * args.time_cap_s + 120,  # a point over the cap still finishes; a stuck one does not
     )
-    keys = [(t, m, CHECKPOINTING[c]) for c in args.checkpointing for m in args.models for t in args.trainers]
+    keys = [
+        (t, m, CHECKPOINTING[c], tiles)
+        for c in args.checkpointing
+        for tiles in args.mlp_tile_tokens
+        for m in args.models
+        for t in args.trainers
+    ]
     included = [c for path in args.include for c in json.load(open(path))["curves"]]
-    keys = [k for k in keys if k not in {(c["trainer"], c["model"], c["checkpointing"]) for c in included}]
+    ran = {(c["trainer"], c["model"], c["checkpointing"], c.get("mlp_tile_tokens", 0)) for c in included}
+    keys = [k for k in keys if k not in ran]
     results = dict(
         curves=included,
         meta=dict(
-            settings=dict(options, models=args.models, trainers=args.trainers, checkpointing=args.checkpointing),
+            settings=dict(
+                options,
+                models=args.models,
+                trainers=args.trainers,
+                checkpointing=args.checkpointing,
+                mlp_tile_tokens=args.mlp_tile_tokens,
+            ),
             kv_cache_bytes_per_token={
                 m: kv_bytes_per_token(m) for m in {c["model"] for c in included} | set(args.models)
             },
@@ -511,8 +544,8 @@ def main(argv=None) -> int:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1)
 
-    for trainer, model, checkpointing in keys:
-        curve = dict(trainer=trainer, model=model, checkpointing=checkpointing)
+    for trainer, model, checkpointing, tiles in keys:
+        curve = dict(trainer=trainer, model=model, checkpointing=checkpointing, mlp_tile_tokens=tiles)
         results["curves"].append(curve)
         run_curve(curve, options, echo=lambda line: print(line, flush=True), saved=save)
         save()

@@ -69,6 +69,8 @@ def test_extrapolation_stops_a_curve_before_a_point_over_a_cap():
         (["--trainers", "verl"], "--trainers must be of"),
         (["--checkpointing", "maybe"], "--checkpointing must be of"),
         (["--lengths", "64", "32"], "--lengths must be ascending"),
+        (["--mlp-tile-tokens", "-1"], "--mlp-tile-tokens must be ints >= 0"),
+        (["--mlp-tile-tokens", "0", "64"], "--mlp-tile-tokens > 0 is grpo_fast's"),
         (["--group-size", "1"], "--group-size must be >= 2"),
         (["--time-cap-s", "0"], "--time-cap-s must be > 0"),
     ],

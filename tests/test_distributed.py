@@ -71,7 +71,9 @@ def gradient_cases() -> list:
         case(shared_prefix=False)  # every row whole (the cases above share each group's prompt)
         # both ranks one sequence group: each runs the whole batch's rows on half their tokens
         case(split=(16,), sequence_parallel=2)
-        # and with one layer input in two kept (checkpoint_every): the all-to-alls run in the refill too
+        # and with one layer input in two kept (checkpoint_every): the all-to-alls run in the refill
+        # too; the MLPs in tiles (mlp_tile_tokens) deliver their weights' gradients to DDP's and
+        # FSDP2's hooks once, summed over the tiles
         case(
             split=(16,),
             sequence_parallel=2,
@@ -79,6 +81,7 @@ def gradient_cases() -> list:
             fused_linear=True,
             gradient_checkpointing=True,
             checkpoint_every=2,
+            mlp_tile_tokens=5,
         )
     return cases
 

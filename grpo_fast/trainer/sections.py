@@ -340,6 +340,11 @@ class SpeedConfig(Section):
         "with gradient_checkpointing: keep one decoder layer's input in N and recompute the others in backward"
         " (about 1/N + (N-1)/layers of their memory, for (N-1)/N of a layer's forward more per layer)",
     )
+    mlp_tile_tokens: int = option(
+        0,
+        "> 0: each decoder layer's MLP runs this many positions at a time, forward and backward, so its"
+        " intermediates never exist for the whole sequence (long completions; one more MLP forward a layer)",
+    )
     fused_linear: bool = option(False, "compute the loss from hidden states and the LM head (fused_linear_grpo_loss)")
     log_entropy: bool = option(
         True, "log the policy's mean token entropy (False: on CPU each chunk takes two vocabulary passes, not five)"
@@ -351,6 +356,7 @@ class SpeedConfig(Section):
     def validate(self) -> None:
         require(self.lora_r >= 0, f"lora_r must be >= 0, got {self.lora_r!r}")
         int_at_least(self, "checkpoint_every", 1)
+        int_at_least(self, "mlp_tile_tokens", 0)
         require(
             self.checkpoint_every == 1 or self.gradient_checkpointing,
             f"checkpoint_every={self.checkpoint_every} needs gradient_checkpointing=True",

@@ -12,6 +12,7 @@ from grpo_fast.packing import Packed
 from grpo_fast.spec import LossConfig
 from grpo_fast.trainer import distributed
 from grpo_fast.trainer.model.checkpoint_runs import checkpoint_runs
+from grpo_fast.trainer.model.mlp_tiles import mlp_tiles
 from grpo_fast.trainer.model.packed_policy import PackedPolicy, filler
 
 
@@ -56,7 +57,7 @@ def load_model_and_tokenizer(config, flash_attention: bool = False, before_model
 def prepare_policy(model, config, device: torch.device):
     """``model`` as the run trains it, in place: a peft LoRA of it (lora_r > 0), gradient
     checkpointing (one decoder layer's input in ``checkpoint_every`` kept, ``use_cache = False``),
-    on ``device``, in train mode."""
+    its MLPs in tiles of ``mlp_tile_tokens`` positions, on ``device``, in train mode."""
     if config.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 
@@ -75,6 +76,7 @@ def prepare_policy(model, config, device: torch.device):
         enable()
         checkpoint_runs(model, config.checkpoint_every)
         model.config.use_cache = False
+    mlp_tiles(model, config.mlp_tile_tokens)
     return model.to(device).train()
 
 

@@ -43,7 +43,7 @@ class _Run:
         device = hidden.device
         with torch.no_grad():
             for (function, autocast, rng), target in zip(calls, freed):
-                with _replayed(device, autocast, rng):
+                with replayed(device, autocast, rng):
                     hidden = _hidden(function(hidden))
                 if target is not None:
                     target.untyped_storage().resize_(hidden.untyped_storage().nbytes())
@@ -64,7 +64,7 @@ class CheckpointRuns:
                 return checkpoint(function, hidden, *args, **kwargs)
             if index % self.every == 0:
                 self.run = _Run(hidden)
-            run, state = self.run, _state(hidden.device)
+            run, state = self.run, forward_state(hidden.device)
             out = checkpoint(function, hidden, *args, **kwargs)
             run.calls.append((function, *state))
             if index % self.every:
@@ -83,16 +83,27 @@ def checkpoint_runs(model, every: int) -> None:
     layer's input in ``every``. every = 1 leaves it as it is."""
     if every == 1:
         return
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
-    layers = getattr(base.get_decoder(), "layers", None)
-    if layers is None or not all(hasattr(layer, "_gradient_checkpointing_func") for layer in layers):
+    layers = decoder_layers(model, f"checkpoint_every={every}")
+    if not all(hasattr(layer, "_gradient_checkpointing_func") for layer in layers):
         raise ValueError(
             f"checkpoint_every={every} needs a model whose decoder's layers are transformers'"
-            f" GradientCheckpointingLayer with gradient checkpointing enabled; {type(base).__name__} is not"
+            f" GradientCheckpointingLayer with gradient checkpointing enabled; {type(layers[0]).__name__} is not"
         )
     runs = CheckpointRuns(every)
     for index, layer in enumerate(layers):
         layer._gradient_checkpointing_func = runs.wrap(index, layer._gradient_checkpointing_func)
+
+
+def decoder_layers(model, option: str):
+    """``model``'s decoder layers (a peft model's: its base model's), or a ValueError that names
+    ``option`` (the setting that needs them)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    layers = getattr(base.get_decoder(), "layers", None) if hasattr(base, "get_decoder") else None
+    if not layers:
+        raise ValueError(
+            f"{option} needs a model with decoder layers (get_decoder().layers); {type(base).__name__} has none"
+        )
+    return layers
 
 
 def _hidden(out):
@@ -111,7 +122,7 @@ def _free(hidden: torch.Tensor):
     return hidden
 
 
-def _state(device: torch.device) -> tuple:
+def forward_state(device: torch.device) -> tuple:
     """What a layer's forward ran under, for its replay: autocast (enabled, dtype) on the
     device's type, and the random state (CPU's, and the device's on CUDA)."""
     kind = device.type
@@ -121,7 +132,7 @@ def _state(device: torch.device) -> tuple:
 
 
 @contextlib.contextmanager
-def _replayed(device: torch.device, autocast: tuple, rng: tuple):
+def replayed(device: torch.device, autocast: tuple, rng: tuple):
     """Runs the block as a layer's first forward ran: under its autocast, from its random state
     (the caller's random state restored afterwards)."""
     devices = [device] if device.type == "cuda" else []
