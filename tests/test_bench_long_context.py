@@ -16,10 +16,13 @@ import bench_long_context  # noqa: E402
 
 def test_quick_curve_grows_with_length(tmp_path, capsys):
     path = tmp_path / "long.json"
-    assert bench_long_context.main(["--quick", "--trainers", "grpo_fast", "--json", str(path)]) == 0
+    # with grpo_fast's own options: the MLPs in tiles of 256 positions, the layer inputs offloaded
+    argv = ["--quick", "--trainers", "grpo_fast", "--mlp-tile-tokens", "256", "--offload", "on", "--json", str(path)]
+    assert bench_long_context.main(argv) == 0
     results = json.loads(path.read_text())
     (curve,) = results["curves"]
     assert (curve["trainer"], curve["model"], curve["checkpointing"]) == ("grpo_fast", "tiny", True)
+    assert (curve["mlp_tile_tokens"], curve["activation_offloading"]) == (256, True)
     short, long = curve["points"]
     assert (short["length"], long["length"]) == (64, 1024)
     assert long["completion_tokens"] == 16 * short["completion_tokens"] == 4 * 1024
@@ -71,6 +74,10 @@ def test_extrapolation_stops_a_curve_before_a_point_over_a_cap():
         (["--lengths", "64", "32"], "--lengths must be ascending"),
         (["--mlp-tile-tokens", "-1"], "--mlp-tile-tokens must be ints >= 0"),
         (["--mlp-tile-tokens", "0", "64"], "--mlp-tile-tokens > 0 is grpo_fast's"),
+        (["--offload", "maybe"], "--offload must be of"),
+        (["--offload", "on"], "--offload on is grpo_fast's"),
+        (["--trainers", "grpo_fast", "--offload", "on", "--checkpointing", "off"], "--offload on needs checkpointing"),
+        (["--device", "cuda"], "--device must be cpu, or cuda with --trainers grpo_fast"),
         (["--group-size", "1"], "--group-size must be >= 2"),
         (["--time-cap-s", "0"], "--time-cap-s must be > 0"),
     ],

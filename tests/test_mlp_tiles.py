@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from conftest import DEVICES
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from grpo_fast.tasks.arithmetic import build_model, build_tokenizer
@@ -33,12 +34,22 @@ class DropoutMLP(LlamaMLP):
         return torch.nn.functional.dropout(super().forward(x), 0.3, self.training)
 
 
-def run(model, tokens, dtype=torch.float64, autocast=False, checkpointing=None, every=1, lora=False, dropout=False):
+def run(
+    model,
+    tokens,
+    dtype=torch.float64,
+    autocast=False,
+    checkpointing=None,
+    every=1,
+    lora=False,
+    dropout=False,
+    device="cpu",
+):
     """A copy of ``model`` (MLPs in tiles of ``tokens``; 0: whole), its logits' weighted sum's
     gradient over the trainable parameters, the positions and dtype each MLP call saw (its down
     projection's input), and the widest tensor
     (last dim) the MLPs saved for backward outside the checkpoint."""
-    model = copy.deepcopy(model).to(dtype).train()
+    model = copy.deepcopy(model).to(device, dtype).train()
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -66,25 +77,27 @@ def run(model, tokens, dtype=torch.float64, autocast=False, checkpointing=None, 
 
     ids = torch.randint(3, base.config.vocab_size, (ROWS, POSITIONS), generator=torch.Generator().manual_seed(0))
     weights = torch.randn(ROWS, POSITIONS, base.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    ids, weights = ids.to(device), weights.to(device)
     torch.manual_seed(3)  # the dropout's draws
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             logits = model(ids).logits
     (logits.to(dtype) * weights.to(dtype)).sum().backward()
-    grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+    grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]).cpu()
     return grad, seen, max(widest, default=0)
 
 
-def test_tiles_give_the_untiled_gradient_and_hold_one_tile(model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiles_give_the_untiled_gradient_and_hold_one_tile(model, device):
     intermediate = model.config.intermediate_size
-    truth, seen, widest = run(model, 0)
+    truth, seen, widest = run(model, 0, device=device)
     assert max(seen)[0] == POSITIONS and widest == intermediate  # untiled: the MLPs save [.., 11, I]
-    grad, seen, widest = run(model, T)
+    grad, seen, widest = run(model, T, device=device)
     assert torch.allclose(grad, truth, rtol=0, atol=1e-12 * truth.abs().max()) and truth.norm() > 0
     # forward 3 tiles a layer, backward 3 recomputed: no call on more than a tile, and only inputs saved
     assert [n for n, _ in seen] == [4, 4, 3] * 6 and widest < intermediate
     for checkpointing, every in ((False, 1), (True, 1), (False, 3)):  # non-reentrant, reentrant; with runs
-        grad, seen, _ = run(model, T, checkpointing=checkpointing, every=every)
+        grad, seen, _ = run(model, T, checkpointing=checkpointing, every=every, device=device)
         assert torch.allclose(grad, truth, rtol=0, atol=1e-12 * truth.abs().max()), (checkpointing, every)
         assert max(seen)[0] == T
 

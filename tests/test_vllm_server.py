@@ -309,6 +309,25 @@ def test_a_server_that_reports_an_old_version_after_a_push_is_refused(engine, se
     assert first.version == new and first.error is None and server_version(first.url) == str(new)
 
 
+def test_the_server_benchmarks_measurements_run_on_the_servers(engine, servers):
+    """benchmarks/bench_servers.py's measurements, the cost model's measured inputs, on the
+    module's servers: timed pushes that move every server's version, one-token round trips, and
+    a rollout's tokens a second."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_servers
+
+    pushes = bench_servers.push_seconds(engine, 2)
+    assert len(pushes) == 2 and min(pushes) > 0
+    assert {server_version(url) for url in servers} == {str(engine.published)}
+    trips = bench_servers.round_trip_seconds(next(iter(servers)), engine.servers[0].model, 2)
+    assert len(trips) == 2 and min(trips) > 0
+    rate = bench_servers.rollout_rate(engine, PROMPTS[:2], 4, 1)
+    assert (
+        0 < rate["completion_tokens"] <= 2 * 4 * 6
+        and rate["tokens_per_s"] == rate["completion_tokens"] / rate["seconds"]
+    )
+
+
 def test_a_server_samples_what_the_colocated_engine_samples(engine):
     """K = 0 server mode against colocated vLLM: the same weights, seeds and sampling options
     give the same completions, token for token, and the same log-probs to BOUND; in a

@@ -109,6 +109,21 @@ stage "pytest-benchmark" 50 python3 -m pytest benchmarks/ --benchmark-only -q -p
 if [ -n "$DRY" ]; then memory_args=(--preset tiny --device cpu --repeats 1); else memory_args=(--preset qwen2.5-0.5b); fi
 stage "memory" 90 python3 -m grpo_fast.bench.memory "${memory_args[@]}" \
     --configs ppo grpo_eager grpo_fused grpo_fused_linear
+# Long completions (issue 50): the checkpointing and the MLP tiles on CUDA, against one process's
+# gradient (float64, bit for bit; tests/test_checkpoint_runs.py and test_mlp_tiles.py, their cuda
+# cases), then Qwen2.5-0.5B's shape, G = 4, prompts of 256, at 2K and 8K completion tokens: HF's
+# checkpointing against one layer input in three, the MLPs in tiles of 1,024 and the kept inputs
+# offloaded to pinned host memory, each point a fresh process, its peak allocated bytes and step.
+# Tables to run_all.log (no file: 8 at most); the CPU side of it is the suite's.
+if [ -z "$DRY" ]; then
+    stage "long context" 120 bash -c 'GRPO_FAST_TEST_CUDA=1 python3 -m pytest tests/test_checkpoint_runs.py \
+        tests/test_mlp_tiles.py -q -p no:cacheprovider -k cuda \
+        && python3 benchmarks/bench_long_context.py --device cuda --models qwen2.5-0.5b --trainers grpo_fast \
+            --checkpointing on --lengths 2048 8192 --time-cap-s 60 --json /tmp/long_gpu_on.json \
+        && python3 benchmarks/bench_long_context.py --device cuda --models qwen2.5-0.5b --trainers grpo_fast \
+            --checkpointing every3 --mlp-tile-tokens 1024 --offload on --lengths 2048 8192 --time-cap-s 60 \
+            --include /tmp/long_gpu_on.json --json /tmp/long_gpu.json'
+fi
 # When the image has vLLM: the demo trained with --generator vllm (rollouts, in-memory weight sync,
 # sampling correction); its summary and last metrics line go to run_all.log (no file: 8 at most).
 if [ -z "$DRY" ] && python3 -c "import vllm" >/dev/null 2>&1; then

@@ -143,6 +143,7 @@ def worker(spec: dict) -> dict:
         gradient_checkpointing=spec.get("gradient_checkpointing", False),
         checkpoint_every=spec.get("checkpoint_every", 1),
         mlp_tile_tokens=spec.get("mlp_tile_tokens", 0),
+        activation_offloading=spec.get("activation_offloading", False),
         progress=False,
     )
     strategy = PPO() if name == "ppo" else None  # GRPO's own by default

@@ -340,6 +340,11 @@ class SpeedConfig(Section):
         "with gradient_checkpointing: keep one decoder layer's input in N and recompute the others in backward"
         " (about 1/N + (N-1)/layers of their memory, for (N-1)/N of a layer's forward more per layer)",
     )
+    activation_offloading: bool = option(
+        False,
+        "with gradient_checkpointing: the kept layer inputs wait in host memory between forward and backward"
+        " (pinned, copied on a side CUDA stream; on CPU nothing is saved)",
+    )
     mlp_tile_tokens: int = option(
         0,
         "> 0: each decoder layer's MLP runs this many positions at a time, forward and backward, so its"
@@ -360,6 +365,10 @@ class SpeedConfig(Section):
         require(
             self.checkpoint_every == 1 or self.gradient_checkpointing,
             f"checkpoint_every={self.checkpoint_every} needs gradient_checkpointing=True",
+        )
+        require(
+            not self.activation_offloading or self.gradient_checkpointing,
+            "activation_offloading=True needs gradient_checkpointing=True (it offloads the checkpointed layer inputs)",
         )
         self.choice("attention_kernel", ATTENTION_KERNELS)
         self.choice("precision", PRECISIONS)

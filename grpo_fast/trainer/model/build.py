@@ -56,7 +56,8 @@ def load_model_and_tokenizer(config, flash_attention: bool = False, before_model
 
 def prepare_policy(model, config, device: torch.device):
     """``model`` as the run trains it, in place: a peft LoRA of it (lora_r > 0), gradient
-    checkpointing (one decoder layer's input in ``checkpoint_every`` kept, ``use_cache = False``),
+    checkpointing (one decoder layer's input in ``checkpoint_every`` kept, in host memory with
+    ``activation_offloading``; ``use_cache = False``),
     its MLPs in tiles of ``mlp_tile_tokens`` positions, on ``device``, in train mode."""
     if config.lora_r > 0:
         from peft import LoraConfig, get_peft_model
@@ -74,7 +75,7 @@ def prepare_policy(model, config, device: torch.device):
         # activation_checkpointing_enable is gradient_checkpointing_enable's name from transformers 5.2x
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
-        checkpoint_runs(model, config.checkpoint_every)
+        checkpoint_runs(model, config.checkpoint_every, config.activation_offloading)
         model.config.use_cache = False
     mlp_tiles(model, config.mlp_tile_tokens)
     return model.to(device).train()
