@@ -331,7 +331,10 @@ def compare(curves: list, cap_bytes: float, group_size: int) -> list:
             (
                 c
                 for c in curves
-                if c["trainer"] == "trl" and (c["model"], c["checkpointing"]) == (ours["model"], ours["checkpointing"])
+                # everyK is checkpointing on, with our own options, as are the tiles and offloading
+                if c["trainer"] == "trl"
+                and c["model"] == ours["model"]
+                and c["checkpointing"] is bool(ours["checkpointing"])
             ),
             None,
         )
@@ -456,16 +459,10 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--trainers must be of {list(TRAINERS)}, got {args.trainers}")
     if [c for c in args.checkpointing if c not in CHECKPOINTING]:
         raise ValueError(f"--checkpointing must be of {list(CHECKPOINTING)}, got {args.checkpointing}")
-    if "trl" in args.trainers and [c for c in args.checkpointing if c.startswith("every")]:
-        raise ValueError(f"--checkpointing everyK is grpo_fast's (--trainers grpo_fast), got {args.checkpointing}")
     if not args.mlp_tile_tokens or any(t < 0 for t in args.mlp_tile_tokens):
         raise ValueError(f"--mlp-tile-tokens must be ints >= 0, got {args.mlp_tile_tokens}")
-    if "trl" in args.trainers and any(args.mlp_tile_tokens):
-        raise ValueError(f"--mlp-tile-tokens > 0 is grpo_fast's (--trainers grpo_fast), got {args.mlp_tile_tokens}")
     if [o for o in args.offload if o not in OFFLOAD]:
         raise ValueError(f"--offload must be of {list(OFFLOAD)}, got {args.offload}")
-    if "trl" in args.trainers and "on" in args.offload:
-        raise ValueError(f"--offload on is grpo_fast's (--trainers grpo_fast), got {args.offload}")
     if "on" in args.offload and "off" in args.checkpointing:
         raise ValueError(
             "--offload on needs checkpointing (it offloads the checkpointed layer inputs): drop --checkpointing off"
@@ -485,6 +482,26 @@ def check_options(args: argparse.Namespace) -> None:
     for path in args.include:
         if not os.path.isfile(path):
             raise ValueError(f"--include: no such file {path!r}")
+
+
+def curves_to_run(args: argparse.Namespace, ran: set) -> list:
+    """The curves the options ask for, in order, less those of ``ran`` (curve keys): each
+    checkpointing x MLP tiles x offloading x model x trainer, each curve once. grpo_fast's own
+    options (everyK, tiles, offloading) are grpo_fast's: TRL's curve of any of them is its own
+    checkpointing, on (everyK) or off, which is what ours is compared with."""
+    curves = [
+        dict(
+            trainer=t, model=m, checkpointing=CHECKPOINTING[c], mlp_tile_tokens=tiles, activation_offloading=OFFLOAD[o]
+        )
+        if t == "grpo_fast"
+        else dict(trainer=t, model=m, checkpointing=bool(CHECKPOINTING[c]), **OWN_OPTIONS)
+        for c in args.checkpointing
+        for tiles in args.mlp_tile_tokens
+        for o in args.offload
+        for m in args.models
+        for t in args.trainers
+    ]
+    return [c for i, c in enumerate(curves) if curve_key(c) not in ran | {curve_key(d) for d in curves[:i]}]
 
 
 def main(argv=None) -> int:
@@ -551,22 +568,7 @@ def main(argv=None) -> int:
         device=args.device,
     )
     included = [c for path in args.include for c in json.load(open(path))["curves"]]
-    ran = {curve_key(c) for c in included}
-    curves = [
-        dict(
-            trainer=t,
-            model=m,
-            checkpointing=CHECKPOINTING[c],
-            mlp_tile_tokens=tiles,
-            activation_offloading=OFFLOAD[o] and CHECKPOINTING[c] is not False,
-        )
-        for c in args.checkpointing
-        for tiles in args.mlp_tile_tokens
-        for o in args.offload
-        for m in args.models
-        for t in args.trainers
-    ]
-    curves = [c for c in curves if curve_key(c) not in ran]
+    curves = curves_to_run(args, {curve_key(c) for c in included})
     results = dict(
         curves=included,
         meta=dict(

@@ -48,8 +48,8 @@ def test_summaries_and_side_by_side_ratios():
     assert summary["bytes_per_completion_token"] == pytest.approx(10)
     assert summary["time_exponents"] == [pytest.approx(1.0)]
     assert summary["longest_fitting_length"] == 2 and summary["extrapolated_longest_length"] == pytest.approx(2.0)
-    curves = [
-        dict(trainer="grpo_fast", model="m", checkpointing=True, points=ours, **summary),
+    curves = [  # ours with one layer input in three: checkpointing on, against TRL's
+        dict(trainer="grpo_fast", model="m", checkpointing=3, points=ours, **summary),
         dict(
             trainer="trl", model="m", checkpointing=True, points=theirs, **bench_long_context.summarize(theirs, cap, 4)
         ),
@@ -58,6 +58,21 @@ def test_summaries_and_side_by_side_ratios():
     assert row["lengths"] == [1, 2] and row["peak_ratios"] == [pytest.approx(60 / 200), pytest.approx(100 / 360)]
     assert row["slope_ratio"] == pytest.approx(0.25) and row["time_ratios"][1] == pytest.approx(2 / 12)
     assert "longest_fitting_ratio" not in row  # TRL fitted none under the cap
+
+
+def test_trl_runs_its_own_checkpointing_only_and_each_curve_once():
+    args = bench_long_context.argparse.Namespace(
+        checkpointing=["on", "every3"],
+        mlp_tile_tokens=[0, 64],
+        offload=["off", "on"],
+        models=["m"],
+        trainers=["grpo_fast", "trl"],
+    )
+    ran = {("grpo_fast", "m", True, 0, False)}  # in an included JSON
+    curves = bench_long_context.curves_to_run(args, ran)
+    keys = [bench_long_context.curve_key(c) for c in curves]
+    assert len(keys) == len(set(keys)) == 8 and ran.isdisjoint(keys)
+    assert [k for k in keys if k[0] == "trl"] == [("trl", "m", True, 0, False)]
 
 
 def test_extrapolation_stops_a_curve_before_a_point_over_a_cap():
@@ -73,9 +88,7 @@ def test_extrapolation_stops_a_curve_before_a_point_over_a_cap():
         (["--checkpointing", "maybe"], "--checkpointing must be of"),
         (["--lengths", "64", "32"], "--lengths must be ascending"),
         (["--mlp-tile-tokens", "-1"], "--mlp-tile-tokens must be ints >= 0"),
-        (["--mlp-tile-tokens", "0", "64"], "--mlp-tile-tokens > 0 is grpo_fast's"),
         (["--offload", "maybe"], "--offload must be of"),
-        (["--offload", "on"], "--offload on is grpo_fast's"),
         (["--trainers", "grpo_fast", "--offload", "on", "--checkpointing", "off"], "--offload on needs checkpointing"),
         (["--device", "cuda"], "--device must be cpu, or cuda with --trainers grpo_fast"),
         (["--group-size", "1"], "--group-size must be >= 2"),
