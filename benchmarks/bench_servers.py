@@ -165,24 +165,35 @@ def measure_model(name: str, args, scratch: str, echo=print) -> dict:
     the colocated engine on the same model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from grpo_fast.tasks.arithmetic import build_dataset
     from grpo_fast.trainer import GRPOConfig
     from grpo_fast.trainer.rollout.engines import EngineSettings, make_generator
 
     folder = model_folder(name, scratch)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    prompts = [f"What is {3 + i} + {4 + 2 * i}?" for i in range(args.prompts)]
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied LM head once
+    # the tiny model knows sums of digits in 32 positions: its own prompts (4 tokens), 24 new tokens
+    context = min(args.max_model_len, model.config.max_position_embeddings)
+    if name == "tiny":
+        prompts, new_tokens = [row["prompt"] for row in build_dataset(args.prompts, seed=1)], min(args.new_tokens, 24)
+    else:
+        prompts, new_tokens = [f"What is {3 + i} + {4 + 2 * i}?" for i in range(args.prompts)], args.new_tokens
     options = dict(
         generator="vllm",
         model=folder,
-        max_new_tokens=args.new_tokens,
+        max_new_tokens=new_tokens,
         group_size=args.group_size,
         batch_size=args.prompts * args.group_size,
-        vllm_max_model_len=args.max_model_len,
+        vllm_max_model_len=context,
     )
-    result = dict(model=name, weight_bytes=weight_bytes, parameters=sum(p.numel() for p in model.parameters()))
-    url, server = start_server(folder, os.path.join(scratch, f"{name}.log"), args.max_model_len)
+    result = dict(
+        model=name,
+        weight_bytes=weight_bytes,
+        parameters=sum(p.numel() for p in model.parameters()),
+        new_tokens=new_tokens,
+    )
+    url, server = start_server(folder, os.path.join(scratch, f"{name}.log"), context)
     try:
         config = GRPOConfig(vllm_mode="server", vllm_server_urls=[url], **options)
         engine = make_generator("vllm", model, tokenizer, EngineSettings.of(config))
