@@ -44,15 +44,13 @@ class _Run:
         self.calls = []  # (function, autocast, rng) of each layer in the run, in order
         self.freed = []  # the input of the run's layer k + 1 (or None where it was kept)
 
-    def stow(self) -> bool:
-        """Moves the first input to host memory and frees its storage; False where its storage
-        is shared with another tensor (it stays)."""
+    def stow(self) -> None:
+        """Moves the first input to host memory and frees its storage (unless its storage is
+        shared with another tensor: it stays)."""
         hidden = self.first
-        if not _whole(hidden):
-            return False
-        self.host = self.offload.out(hidden)
-        hidden.untyped_storage().resize_(0)
-        return True
+        if _whole(hidden):
+            self.host = self.offload.out(hidden)
+            hidden.untyped_storage().resize_(0)
 
     def fetch(self) -> None:
         """Starts the first input's copy back from host memory (at most once)."""
@@ -158,7 +156,12 @@ class CheckpointRuns:
                 run.freed.append(freed)
                 if freed is not None:
                     _hidden(out).register_hook(run.refill)
-            elif differentiable and self.offload and index + self.every < self.layers and run.stow():
+            elif differentiable:
+                # every run's first input waits in host memory but the last run's (its backward
+                # comes first); the hook refills the run (a no-op if a later layer's did) and
+                # drops it, so that no run outlives its backward
+                if self.offload and index + self.every < self.layers:
+                    run.stow()
                 _hidden(out).register_hook(run.refill)
             return out
 
