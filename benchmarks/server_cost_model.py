@@ -16,11 +16,12 @@ the policy's forward and backward, 2 for a reference forward, and a third more f
 gradient checkpointing). A push is a fixed cost plus the weights' bytes over the link's
 bandwidth (NVLink on one node, the network across nodes; or the TCP backend's measured rate).
 
-    colocated     gen(N + M) + train(N + M) + reload             every GPU samples, then trains
-    server, K=0   gen(M) + push + train(N)                       each side idles while the other works
-    server, K=1   max(gen(M), train(N)) + push                   sampling one step ahead; the servers
-                                                                 wait for the push between rollouts
-    in flight     max(gen_in_flight(M) + pause, train(N) + push) the servers never wait
+    colocated     gen(N + M) + train(N + M) + reload          every GPU samples, then trains
+    server, K=0   gen(M) + push + train(N)                    each side idles while the other works
+    server, K=1   max(gen(M) + push, train(N))                the rollout worker pushes, then samples,
+                                                              while the trainer trains
+    in flight     max(gen_in_flight(M) + pause, train(N), push)  the servers never wait; a push must
+                                                              not take longer than a step
 
     python benchmarks/server_cost_model.py            # the table for the Qwen2.5-1.5B recipe
     python benchmarks/server_cost_model.py --json benchmarks/results/server_cost_model.json
@@ -126,8 +127,8 @@ def step_seconds(
     if mode == "server_sync":
         return generation_seconds(recipe, hardware, gen_gpus) + push + train
     if mode == "server_async":
-        return max(generation_seconds(recipe, hardware, gen_gpus), train) + push
-    return max(generation_seconds(recipe, hardware, gen_gpus, in_flight=True) + hardware.pause_s, train + push)
+        return max(generation_seconds(recipe, hardware, gen_gpus) + push, train)
+    return max(generation_seconds(recipe, hardware, gen_gpus, in_flight=True) + hardware.pause_s, train, push)
 
 
 def measured_inputs(path: str = MEASURED) -> dict:

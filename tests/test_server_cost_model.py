@@ -27,8 +27,8 @@ def test_the_terms_and_their_composition_by_hand():
     gen, gen_in_flight = 1024 * 4e-3 + 51200 * 20e-6, 51200 * (4e-3 / 128 + 20e-6)
     expected = dict(
         server_sync=gen + push + train,
-        server_async=max(gen, train) + push,
-        in_flight=max(gen_in_flight + 0.01, train + push),
+        server_async=max(gen + push, train),
+        in_flight=max(gen_in_flight + 0.01, train, push),
         colocated=1024 * 4e-3 + 25600 * 20e-6 + train / 2 + 3.09e9 / 1e12,
     )
     for mode, seconds in expected.items():
