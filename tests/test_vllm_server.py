@@ -361,8 +361,9 @@ def test_a_server_samples_what_the_colocated_engine_samples(engine):
 
 def test_a_stalled_server_is_dropped_after_the_timeout_and_its_groups_go_to_the_other(engine, servers):
     """A server that stops answering but stays up (SIGSTOP) holds a rollout for at most
-    vllm_server_timeout_s (5 s here): it is then down for the run, and the other server samples
-    its groups. (An engine of its own, on the module engine's weights.)"""
+    vllm_server_timeout_s (5 s here): it is then down, and the other server samples its groups;
+    woken (SIGCONT), it is readmitted at the next push. (An engine of its own, on the module
+    engine's weights.)"""
     config = GRPOConfig(
         generator="vllm", vllm_mode="server", vllm_server_urls=list(servers), max_new_tokens=6, vllm_server_timeout_s=5
     )
@@ -379,6 +380,11 @@ def test_a_stalled_server_is_dropped_after_the_timeout_and_its_groups_go_to_the_
     assert second.down and "timed out" in second.error and not first.down
     assert waited < 5 + 10  # the timeout, then the first server's share of the groups
     assert out.input_ids.shape[0] == 24 and bool(out.completion_mask[:, 0].all())
+    # woken, it answers again: the next push readmits it (checked, then pushed), and it samples
+    patient.publish(patient.published + 1)
+    assert not second.down and second.error is None and second.version == patient.published
+    assert server_version(second.url) == str(patient.published)
+    assert {s.url for s in patient._ready()} == {first.url, second.url}
 
 
 def test_a_server_dying_mid_rollout_hands_its_groups_to_the_other_then_none_left_is_an_error(engine, servers):

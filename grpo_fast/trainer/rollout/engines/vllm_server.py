@@ -16,8 +16,9 @@ weight-transfer API after each optimizer step.
               the new version and a cleared prefix cache; the server's reported version is checked
     faults    a server that stops answering mid-rollout is dropped and its groups go to the
               others; one whose push failed holds its old version, is not sampled from, and is
-              pushed again before the next rollout; with no server left the rollout stops
-              naming each server and its error
+              pushed again before the next rollout; a dropped server that answers again is
+              readmitted at the next push (checked again, then pushed); with no server left the
+              rollout stops naming each server and its error
 
 Every token of a rollout is sampled at the version the servers hold when it starts (the
 weights change between rollouts only): :attr:`Generation.versions` records it per token.
@@ -52,6 +53,7 @@ from grpo_fast.trainer.rollout.engines.vllm import (
 
 WORKER_EXTENSION = "grpo_fast.trainer.rollout.engines.vllm_transfer.ServerExtension"
 _MAX_REQUESTS = 64  # requests in flight at once, over every server
+_PROBE_S = 2.0  # how long a sync waits for a down server's /health before it leaves it down
 # what a server that stopped answering gives a request: refused or reset, cut off, or no answer
 # within vllm_server_timeout_s (a server stalled, or its machine gone)
 _SILENT = (requests.ConnectionError, requests.exceptions.ChunkedEncodingError, requests.Timeout)
@@ -165,11 +167,6 @@ class VLLMServerGenerator(Generator):
     def _connect(self, server: Server) -> None:
         """Waits for ``server`` to answer (``vllm_server_timeout_s``), checks it serves the
         policy's model for training, and opens its weight transfer."""
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-        from grpo_fast.trainer.rollout.engines.vllm_transfer import TCPTrainerInitInfo
-
         deadline = time.monotonic() + self.settings.vllm_server_timeout_s
         while True:
             try:
@@ -183,12 +180,33 @@ class VLLMServerGenerator(Generator):
                     ) from exc
                 time.sleep(1)
         self._check_model(server)
+        self._open_transfer(server)
+
+    def _open_transfer(self, server: Server) -> None:
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from grpo_fast.trainer.rollout.engines.vllm_transfer import TCPTrainerInitInfo
+
         timeout = self.settings.vllm_server_timeout_s
         server.transfer = WeightTransferTrainerFactory.trainer_init(
             TCPTrainerInitInfo(host=self._address_towards(server), timeout_s=timeout, rank=self.runtime.ranks.rank),
             client=HTTPVLLMWeightSyncClient(server.url, timeout=timeout),
             source=PolicyWeights(self.model),
         )
+
+    def _readmit(self, server: Server) -> None:
+        """A down ``server`` that answers again (restarted, or no longer stalled) rejoins:
+        checked as at connect, its weight transfer opened again, its weights' version unknown
+        (the sync pushes it). One that does not answer within ``_PROBE_S``, or serves another
+        model now, stays down with its first error."""
+        try:
+            self._request(server, "GET", "/health", timeout=_PROBE_S)
+            self._check_model(server)
+            self._open_transfer(server)
+        except (*_SILENT, ValueError):
+            return
+        server.down, server.version, server.error = False, None, None
 
     def _check_model(self, server: Server) -> None:
         """ValueError naming ``server`` unless it serves a model of the policy's architecture
@@ -236,9 +254,14 @@ class VLLMServerGenerator(Generator):
         """Pushes the policy's weights to every live server behind the published version, all
         at once. A push that fails leaves its server on its old version (vLLM's worker loads
         only a whole update): it is tried again at the next sync, and a server that no longer
-        answers is down. Under torchrun (DDP: every rank holds the same weights) rank 0 pushes,
+        answers is down. A down server that answers again is readmitted first (``_readmit``),
+        so it gets this push. Under torchrun (DDP: every rank holds the same weights) rank 0 pushes,
         and every rank takes rank 0's record of the servers after."""
         ranks = self.runtime.ranks
+        down = [s for s in self.servers if s.down]
+        if down and ranks.is_main:
+            with ThreadPoolExecutor(max_workers=len(down)) as pool:
+                list(pool.map(self._readmit, down))
         behind = [s for s in self.servers if not s.down and s.version != self.published]
         if behind and ranks.is_main:
             start = time.perf_counter()
