@@ -10,7 +10,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+sys.path.append(os.path.join(REPO, "benchmarks"))  # after tests/: its conftest is not ours
 import bench_long_context  # noqa: E402
 
 

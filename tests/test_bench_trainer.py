@@ -11,7 +11,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+sys.path.append(os.path.join(REPO, "benchmarks"))  # after tests/: its conftest is not ours
 from trainer_bench import PHASES, compare, trl_runner  # noqa: E402
 from trainer_bench.grpo_fast_runner import run_grpo_fast, step_phases  # noqa: E402
 from trainer_bench.report import make_report  # noqa: E402

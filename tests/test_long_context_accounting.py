@@ -11,7 +11,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+sys.path.append(os.path.join(REPO, "benchmarks"))  # after tests/: its conftest is not ours
 import long_context_accounting  # noqa: E402
 
 

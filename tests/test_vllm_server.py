@@ -313,7 +313,7 @@ def test_the_server_benchmarks_measurements_run_on_the_servers(engine, servers):
     """benchmarks/bench_servers.py's measurements, the cost model's measured inputs, on the
     module's servers: timed pushes that move every server's version, one-token round trips, and
     a rollout's tokens a second."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.append(os.path.join(ROOT, "benchmarks"))  # after tests/: its conftest is not ours
     import bench_servers
 
     pushes = bench_servers.push_seconds(engine, 2)
