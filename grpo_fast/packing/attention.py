@@ -38,6 +38,7 @@ import sys
 
 import torch
 
+from grpo_fast.base_model import base_model
 from grpo_fast.packing.grids import Grids, attention_grids, whole_row_spans, window_mask
 from grpo_fast.packing.layout import Packed
 from grpo_fast.packing.sequence_parallel import Shard, ulysses_attention
@@ -65,7 +66,7 @@ def use_packed_attention(model):
     unpickled in a worker process) gets the registration only; a flash-attention model is left
     as it is. Returns ``model``. Raises ValueError for another implementation, or a model whose
     attention does not go through transformers' ``AttentionInterface``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    base = base_model(model)
     if _on_flash(base):
         return model
     current = base.config._attn_implementation

@@ -32,6 +32,8 @@ import contextlib
 
 import torch
 
+from grpo_fast.base_model import base_model
+
 
 class _Run:
     """One forward's run of layers: its first layer's input (kept, or waiting in host memory),
@@ -189,7 +191,7 @@ def checkpoint_runs(model, every: int, offload: bool = False) -> None:
 def decoder_layers(model, option: str):
     """``model``'s decoder layers (a peft model's: its base model's), or a ValueError that names
     ``option`` (the setting that needs them)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    base = base_model(model)
     layers = getattr(base.get_decoder(), "layers", None) if hasattr(base, "get_decoder") else None
     if not layers:
         raise ValueError(

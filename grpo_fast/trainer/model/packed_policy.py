@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from grpo_fast import fused_linear_token_logprobs, policy_loss, token_logprobs
+from grpo_fast.base_model import base_model
 from grpo_fast.ops.fused_linear_grpo_loss import fused_head_saves_memory, fused_linear_loss_with_tokens
 from grpo_fast.ops.policy import LossInputs
 from grpo_fast.outputs import LossOutput
@@ -91,7 +92,7 @@ class PackedPolicy(torch.nn.Module):
         self.policy = use_packed_attention(policy)
         self.loss_config, self.runtime, self.entropy = loss_config, runtime, entropy
         if runtime.ranks.sequence_parallel > 1:  # refused before the first rollout, not at the first pass
-            base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # peft
+            base = base_model(policy)
             text = base.config.get_text_config()
             heads = text.num_attention_heads
             check_heads(runtime.ranks.sequence_parallel, heads, getattr(text, "num_key_value_heads", None) or heads)

@@ -21,6 +21,7 @@ import inspect
 
 import torch
 
+from grpo_fast.base_model import base_model
 from grpo_fast.trainer.rollout.engines import (
     Generation,
     Generator,
@@ -41,7 +42,7 @@ STATIC_PROMPT_MULTIPLE = 64
 def _cache_argument(model) -> str:
     """The name under which the model's forward takes a KV cache: ``cache`` (transformers >= 5.2x)
     or ``past_key_values`` (earlier)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft forwards **kwargs
+    base = base_model(model)  # peft forwards **kwargs
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from grpo_fast.base_model import base_model
 from grpo_fast.model_files import is_model_file, model_folder
 from grpo_fast.trainer import distributed as distributed_module
 from grpo_fast.trainer.distributed import launched_by_torchrun
@@ -75,11 +76,6 @@ def import_vllm():
     except ImportError as exc:
         raise ImportError(INSTALL) from exc
     return vllm
-
-
-def base_model(model):
-    """The model itself, or a peft model's base."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def check_model(model, settings, device: torch.device) -> None:

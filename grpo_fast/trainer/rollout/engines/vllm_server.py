@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 import requests
 import torch
 
+from grpo_fast.base_model import base_model
 from grpo_fast.trainer.rollout.engines import (
     Generation,
     Generator,
@@ -43,7 +44,6 @@ from grpo_fast.trainer.rollout.engines import (
     continue_turns,
 )
 from grpo_fast.trainer.rollout.engines.vllm import (
-    base_model,
     full_weights,
     import_vllm,
     sampling_options,
