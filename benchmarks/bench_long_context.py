@@ -90,16 +90,19 @@ def checkpointing_name(value) -> str:
 OWN_OPTIONS = dict(mlp_tile_tokens=0, activation_offloading=False)
 
 
+def own_options(curve: dict) -> dict:
+    """``curve``'s values of grpo_fast's own options (the defaults where an earlier JSON has none)."""
+    return {name: curve.get(name, default) for name, default in OWN_OPTIONS.items()}
+
+
 def curve_key(curve: dict) -> tuple:
     """What tells curves apart: trainer, model, checkpointing and grpo_fast's own options."""
-    return (curve["trainer"], curve["model"], curve["checkpointing"]) + tuple(
-        curve.get(name, default) for name, default in OWN_OPTIONS.items()
-    )
+    return (curve["trainer"], curve["model"], curve["checkpointing"], *own_options(curve).values())
 
 
 def setting_name(curve: dict) -> str:
     """A curve's checkpointing name, with its MLP tiles and offloading where it has them."""
-    tiles, offloaded = (curve.get(name, default) for name, default in OWN_OPTIONS.items())
+    tiles, offloaded = own_options(curve).values()
     return (
         checkpointing_name(curve["checkpointing"])
         + (f", MLP tiles of {tiles}" if tiles else "")
@@ -133,7 +136,7 @@ def point_spec(model: str, length: int, curve: dict, options: dict) -> dict:
         gradient_checkpointing=bool(checkpointing),
         checkpoint_every=1 if isinstance(checkpointing, bool) else checkpointing,
         optimizer_state_first=True,
-        **{name: curve.get(name, default) for name, default in OWN_OPTIONS.items()},
+        **own_options(curve),
     )
 
 
@@ -346,7 +349,7 @@ def compare(curves: list, cap_bytes: float, group_size: int) -> list:
         row = dict(
             model=ours["model"],
             checkpointing=ours["checkpointing"],
-            **{name: ours.get(name, default) for name, default in OWN_OPTIONS.items()},
+            **own_options(ours),
             lengths=common,
             peak_ratios=[mine[n]["peak_bytes"] / other[n]["peak_bytes"] for n in common],
             time_ratios=[mine[n]["step_s"] / other[n]["step_s"] for n in common],
@@ -501,7 +504,12 @@ def curves_to_run(args: argparse.Namespace, ran: set) -> list:
         for m in args.models
         for t in args.trainers
     ]
-    return [c for i, c in enumerate(curves) if curve_key(c) not in ran | {curve_key(d) for d in curves[:i]}]
+    seen, out = set(ran), []
+    for curve in curves:
+        if curve_key(curve) not in seen:
+            seen.add(curve_key(curve))
+            out.append(curve)
+    return out
 
 
 def main(argv=None) -> int:
