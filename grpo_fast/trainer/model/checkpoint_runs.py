@@ -42,7 +42,7 @@ class _Run:
     def __init__(self, first: torch.Tensor, before: "_Run | None", offload: "_Offload | None"):
         self.first, self.before, self.offload = first, before, offload
         self.host = None  # the first input's copy in host memory, while its storage is freed
-        self.fetched = None  # its copy back under way: a CUDA event, or True once done
+        self.fetched = None  # its copy back under way on CUDA: the event that ends it
         self.calls = []  # (function, autocast, rng) of each layer in the run, in order
         self.freed = []  # the input of the run's layer k + 1 (or None where it was kept)
 
@@ -55,8 +55,8 @@ class _Run:
             hidden.untyped_storage().resize_(0)
 
     def fetch(self) -> None:
-        """Starts the first input's copy back from host memory (at most once)."""
-        if self.host is not None and self.fetched is None:
+        """Starts the first input's copy back from host memory (at most once: the copy drops it)."""
+        if self.host is not None:
             self.fetched = self.offload.back(self.first, self.host)
             self.host = None
 
@@ -66,8 +66,7 @@ class _Run:
         if self.first is None:  # refilled already, by an earlier layer's hook
             return
         self.fetch()
-        if self.offload is not None:
-            self.offload.wait(self.fetched, self.first.device)
+        _Offload.wait(self.fetched, self.first.device)
         if self.before is not None:
             self.before.fetch()
         hidden, calls, freed = self.first, self.calls, self.freed
@@ -109,12 +108,12 @@ class _Offload:
 
     def back(self, hidden: torch.Tensor, host: torch.Tensor):
         """Refills ``hidden``'s storage from ``host``: on CUDA on the side stream (the event that
-        says it is done), on CPU at once (True)."""
+        says it is done), on CPU at once (None)."""
         storage = hidden.untyped_storage()
         if hidden.device.type != "cuda":
             storage.resize_(host.untyped_storage().nbytes())
             storage.copy_(host.untyped_storage())  # the storage, not the tensor: autograd sees no write
-            return True
+            return None
         side, compute = self._side(hidden.device), torch.cuda.current_stream(hidden.device)
         side.wait_stream(compute)
         with torch.cuda.stream(side):
@@ -127,7 +126,8 @@ class _Offload:
 
     @staticmethod
     def wait(fetched, device: torch.device) -> None:
-        if fetched is not None and fetched is not True:
+        """The compute stream waits for a copy back under way (``fetched``: its event; None: none)."""
+        if fetched is not None:
             torch.cuda.current_stream(device).wait_event(fetched)
 
 
